@@ -1,0 +1,144 @@
+"""compat: the only place in sparse-attn that knows about vLLM releases.
+
+It probes the installed vLLM once, when first imported (``probe()``), and
+exports the functions the version-free ``sparse_attn`` package calls:
+
+* ``kv_cache_views(kv_cache, *, head_size, backend, isa=None)`` -> ``(key_cache, value_cache)``,
+  zero-copy logical ``[num_blocks, block_size, num_kv_heads, head_size]`` views;
+* ``write_kv_cache(key, value, kv_cache, slot_mapping, *, head_size, backend, isa=None)``;
+* ``cache_writer(backend)`` -> the writer the sparse forward path must call, or
+  ``None`` when vLLM already stored the new tokens before ``forward``;
+* ``reset_for_tests()``.
+
+``python -m compat`` prints what was decided and why.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from compat import envs, layouts
+from compat.errors import (
+    BatchDescriptionError,
+    CompatError,
+    InvalidOverrideError,
+    KVWriteError,
+    UnknownBackendError,
+    UnsupportedLayoutError,
+    describe_version,
+)
+from compat.layouts import KVLayout
+from compat.probe import BackendReport, CompatReport, run_probe
+
+__all__ = [
+    "BackendReport",
+    "BatchDescriptionError",
+    "CompatError",
+    "CompatReport",
+    "InvalidOverrideError",
+    "KVLayout",
+    "KVWriteError",
+    "UnknownBackendError",
+    "UnsupportedLayoutError",
+    "cache_writer",
+    "kv_cache_views",
+    "probe",
+    "reset_for_tests",
+    "write_kv_cache",
+]
+
+_report: CompatReport | None = None
+#: backend name -> (view function, error-context function); built once from the report.
+_bound: dict[str, tuple[Callable, Callable[[], str]]] = {}
+
+
+def probe() -> CompatReport:
+    """The cached report of what the installed vLLM does (probed on first call)."""
+    global _report
+    if _report is None:
+        _report = run_probe()
+    return _report
+
+
+def reset_for_tests() -> None:
+    """Forget the probe and parsed environment so the next call re-reads both."""
+    global _report
+    _report = None
+    _bound.clear()
+    envs.reset_for_tests()
+
+
+def _bind(backend: str) -> tuple[Callable, Callable[[], str]]:
+    report = probe()
+    entry = report.backend(backend)
+
+    def context() -> str:
+        return (
+            f"backend {backend}, {describe_version(report.vllm_version)}, layout "
+            f"{entry.layout.value if entry.layout else None} decided by {entry.layout_source} ({entry.layout_detail})"
+        )
+
+    if entry.layout is None:
+        why = entry.import_error or entry.layout_detail or "no probe result"
+
+        def refuse(kv_cache: torch.Tensor, head_size: int, isa: str | None, _context: Callable[[], str]) -> layouts.KVViews:
+            raise UnsupportedLayoutError(
+                f"no KV-cache layout is known for backend {backend} ({describe_version(report.vllm_version)}): {why}. "
+                f"Observed cache shape {list(kv_cache.shape)}. Expected one of the catalogue layouts "
+                f"({', '.join(x.value for x in KVLayout)}). Fix: set SPARSE_ATTN_KV_LAYOUT={backend}=<layout> if you "
+                f"know it, or pin a vLLM release listed in CONTRIBUTING.md."
+            )
+
+        _bound[backend] = (refuse, context)
+    else:
+        _bound[backend] = (layouts.VIEW_FUNCTIONS[entry.layout], context)
+    return _bound[backend]
+
+
+def kv_cache_views(kv_cache: torch.Tensor, *, head_size: int, backend: str, isa: str | None = None) -> layouts.KVViews:
+    """Zero-copy ``(key_cache, value_cache)`` of the cache vLLM hands ``backend``'s impl.
+
+    ``kv_cache``: the tensor an impl's ``forward``/``do_kv_cache_update`` receives,
+    in the probed layout's logical shape. Returns two views, each
+    ``[num_blocks, block_size, num_kv_heads, head_size]``, sharing its storage.
+    ``isa``: the CPU attention ISA (``layer.isa``), needed for ``CPU_ATTN`` only.
+    Raises ``UnsupportedLayoutError`` (a ValueError) when the tensor does not fit.
+    """
+    bound = _bound.get(backend) or _bind(backend)
+    return bound[0](kv_cache, head_size, isa, bound[1])
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    head_size: int,
+    backend: str,
+    isa: str | None = None,
+) -> None:
+    """Store ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` at ``slot_mapping``
+    ``[num_tokens]`` (``block * block_size + offset``; negative = padding, skipped), in place."""
+    key_cache, value_cache = kv_cache_views(kv_cache, head_size=head_size, backend=backend, isa=isa)
+    layouts.write(key, value, key_cache, value_cache, slot_mapping)
+
+
+def cache_writer(backend: str) -> Callable[..., None] | None:
+    """The function the sparse forward path must call to store new tokens, or
+    ``None`` when vLLM's ``do_kv_cache_update`` already stored them before ``forward``.
+
+    The returned callable has ``write_kv_cache``'s signature.
+    """
+    return write_kv_cache if probe().backend(backend).writer == "adapter" else None
+
+
+# Probe at import, once: the report is what every later call binds to. A bad
+# override is not swallowed: the report stays unset and the first ``probe()``
+# (the plugin's start-up, ``python -m compat``) raises it with its fix.
+try:
+    probe()
+except CompatError:
+    pass

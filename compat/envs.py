@@ -1,0 +1,180 @@
+"""The one registry of environment variables read by this project.
+
+Modelled on vLLM's ``envs.py``: each variable is declared once, with its
+default, its choices and its documentation, and is parsed once per process
+(``reset_for_tests()`` clears the cache). README.md documents each of them in
+a table that ``tests/compat/test_envs.py`` keeps in step with this registry.
+
+Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from compat.errors import InvalidOverrideError
+
+logger = logging.getLogger("compat")
+
+#: Backends ``compat`` serves, by vLLM's ``AttentionBackendEnum`` member name.
+BACKENDS: tuple[str, ...] = ("FLASHINFER", "FLASH_ATTN", "CPU_ATTN")
+#: Layout names of the catalogue (``compat.layouts.KVLayout`` values).
+LAYOUT_NAMES: tuple[str, ...] = ("blocks-first", "kv-first", "packed", "cpu-packed")
+WRITER_CHOICES: tuple[str, ...] = ("auto", "vllm", "adapter")
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One documented environment variable."""
+
+    name: str
+    default: str
+    doc: str
+    parse: Callable[[str, "EnvVar"], Any]
+    choices: str
+
+
+def _parse_layout_override(raw: str, var: EnvVar) -> Mapping[str, str]:
+    """``"packed"`` -> every backend; ``"FLASHINFER=packed,CPU_ATTN=cpu-packed"`` -> per backend."""
+    raw = raw.strip()
+    if not raw:
+        return {}
+    if "=" not in raw:
+        _check_choice(var, raw, LAYOUT_NAMES)
+        return {backend: raw for backend in BACKENDS}
+    parsed: dict[str, str] = {}
+    for item in raw.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        backend, sep, layout = (part.strip() for part in item.partition("="))
+        if not sep:
+            raise InvalidOverrideError(
+                f"{var.name}={raw!r}: item {item!r} is not BACKEND=layout. "
+                f"Expected one layout name for every backend, or BACKEND=layout pairs "
+                f"separated by commas, e.g. {var.name}=FLASHINFER=packed,CPU_ATTN=cpu-packed. "
+                f"Valid: {var.choices}."
+            )
+        _check_choice(var, backend, BACKENDS, what="backend")
+        _check_choice(var, layout, LAYOUT_NAMES)
+        parsed[backend] = layout
+    return parsed
+
+
+def _parse_writer(raw: str, var: EnvVar) -> str:
+    value = raw.strip().lower() or var.default
+    _check_choice(var, value, WRITER_CHOICES)
+    return value
+
+
+def _parse_flag(raw: str, var: EnvVar) -> bool:
+    value = raw.strip().lower()
+    truthy, falsy = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+    if value in truthy:
+        return True
+    if value in falsy:
+        return False
+    raise InvalidOverrideError(
+        f"{var.name}={raw!r} is not a boolean. Expected one of {truthy + falsy[1:]}; "
+        f"unset it or set {var.name}=1 / {var.name}=0."
+    )
+
+
+def _check_choice(var: EnvVar, value: str, choices: tuple[str, ...], what: str = "value") -> None:
+    if value not in choices:
+        raise InvalidOverrideError(
+            f"{var.name}: {what} {value!r} is not valid. Valid {what}s: {', '.join(choices)}. "
+            f"Fix: set {var.name} to one of them, or unset it to let compat probe vLLM."
+        )
+
+
+REGISTRY: dict[str, EnvVar] = {
+    var.name: var
+    for var in (
+        EnvVar(
+            name="SPARSE_ATTN_KV_LAYOUT",
+            default="",
+            doc=(
+                "Force the KV-cache layout instead of probing vLLM: one layout for every backend, "
+                "or `BACKEND=layout` pairs separated by commas."
+            ),
+            parse=_parse_layout_override,
+            choices="blocks-first, kv-first, packed, cpu-packed; backends FLASHINFER, FLASH_ATTN, CPU_ATTN",
+        ),
+        EnvVar(
+            name="SPARSE_ATTN_CACHE_WRITER",
+            default="auto",
+            doc=(
+                "Who stores new K/V tokens in the cache: `vllm` (its `do_kv_cache_update` runs before "
+                "`forward`), `adapter` (the sparse forward path writes), or `auto` (probe the backend's "
+                "`forward_includes_kv_cache_update`)."
+            ),
+            parse=_parse_writer,
+            choices="auto, vllm, adapter",
+        ),
+        EnvVar(
+            name="SPARSE_ATTN_DISABLE",
+            default="0",
+            doc="`1` turns the vLLM plugin off: every worker stays on native vLLM attention.",
+            parse=_parse_flag,
+            choices="0, 1",
+        ),
+        EnvVar(
+            name="SPARSE_ATTN_STRICT",
+            default="0",
+            doc="`1` makes any attention layer the sparse kernel cannot serve a start-up error instead of a native fallback.",
+            parse=_parse_flag,
+            choices="0, 1",
+        ),
+        EnvVar(
+            name="SPARSE_ATTN_STATS_INTERVAL_S",
+            default="60",
+            doc="Seconds between the plugin's achieved-sparsity log lines in each worker; `0` turns them off.",
+            parse=lambda raw, var: _parse_nonnegative_float(raw, var),
+            choices="a number >= 0",
+        ),
+    )
+}
+
+
+def _parse_nonnegative_float(raw: str, var: EnvVar) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0:  # also rejects NaN
+        raise InvalidOverrideError(
+            f"{var.name}={raw!r} is not a number >= 0. Fix: set it to e.g. {var.default}, or unset it."
+        )
+    return value
+
+
+_cache: dict[str, Any] = {}
+_logged: set[str] = set()
+
+
+def get(name: str) -> Any:
+    """The parsed value of registered variable ``name`` (parsed once per process)."""
+    if name not in _cache:
+        var = REGISTRY[name]
+        raw = os.environ.get(name)
+        value = var.parse(var.default if raw is None else raw, var)
+        if raw is not None and raw.strip() != var.default and name not in _logged:
+            _logged.add(name)
+            logger.info("sparse-attn: override %s=%s applied", name, raw)
+        _cache[name] = value
+    return _cache[name]
+
+
+def overrides() -> dict[str, str]:
+    """The registered variables set in the environment, as raw strings."""
+    return {name: os.environ[name] for name in REGISTRY if name in os.environ}
+
+
+def reset_for_tests() -> None:
+    """Forget parsed values so a test's ``monkeypatch.setenv`` takes effect."""
+    _cache.clear()
+    _logged.clear()

@@ -1,0 +1,186 @@
+"""The KV-cache layout catalogue, on plain tensors (this module never imports vLLM).
+
+Notation: B = num_blocks, N = block_size (tokens per page), H = num_kv_heads,
+D = head_size. Every layout's view function returns ``(key_cache, value_cache)``,
+each a zero-copy *logical* ``[B, N, H, D]`` view sharing storage with the cache,
+whatever stride order (NHD/HND, LBNHC/LBHNC, ...) the release allocated it in:
+only the logical axis order is fixed by a layout, strides are read from the tensor.
+
+Layouts and the releases that use them (see ``../shared/vllm-facts.md``):
+
+* ``blocks-first`` ``[B, 2, N, H, D]``: axis 1 selects K (0) or V (1).
+  FlashInfer up to 0.25; FlashAttention 0.23-0.25.
+* ``kv-first`` ``[2, B, N, H, D]``: axis 0 selects K or V. FlashAttention up to 0.22.
+* ``packed`` ``[B, H, N, 2D]``: each token's K then V along the last axis.
+  FlashInfer and FlashAttention from 0.26 (logical ``[B, H, N, C]`` of the
+  ``KVCacheLayout`` machinery from 0.29).
+* ``cpu-packed`` ``[B, H, N, 2D]``: the same shape, but each ``(block, head)``
+  page of ``N * 2D`` elements holds all N keys, then all N values; the keys are
+  stored dim-major (``[D, N]``) and the values token-major (``[N, D]``). That is
+  how ``cpu_attn_reshape_and_cache`` stores a page for the ``vec``/``vec16``
+  ISAs (CPU backend from 0.23), so the view needs the page interior contiguous.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Callable
+
+import torch
+
+from compat.errors import KVWriteError, UnsupportedLayoutError
+
+#: CPU attention ISAs whose page interior ``cpu-packed`` describes. Other ISAs
+#: (``amx``, ``neon``, ...) pack K differently and are refused, not guessed.
+CPU_ISAS_DIM_MAJOR_K: frozenset[str] = frozenset({"vec", "vec16"})
+
+
+class KVLayout(str, enum.Enum):
+    """Logical axis order of a KV-cache tensor as an attention impl receives it."""
+
+    BLOCKS_FIRST = "blocks-first"
+    KV_FIRST = "kv-first"
+    PACKED = "packed"
+    CPU_PACKED = "cpu-packed"
+
+    @property
+    def expected_shape(self) -> str:
+        """The logical shape, in the B/N/H/D notation, for error messages."""
+        return _EXPECTED_SHAPE[self]
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_EXPECTED_SHAPE = {
+    KVLayout.BLOCKS_FIRST: "[num_blocks, 2, block_size, num_kv_heads, head_size]",
+    KVLayout.KV_FIRST: "[2, num_blocks, block_size, num_kv_heads, head_size]",
+    KVLayout.PACKED: "[num_blocks, num_kv_heads, block_size, 2 * head_size]",
+    KVLayout.CPU_PACKED: "[num_blocks, num_kv_heads, block_size, 2 * head_size] (page = K dim-major, then V)",
+}
+
+KVViews = tuple[torch.Tensor, torch.Tensor]
+ErrorContext = Callable[[], str]
+
+
+def _no_context() -> str:
+    return "layout chosen by the caller"
+
+
+def _mismatch(layout: KVLayout, kv_cache: torch.Tensor, head_size: int, why: str, context: ErrorContext) -> UnsupportedLayoutError:
+    return UnsupportedLayoutError(
+        f"KV cache of shape {list(kv_cache.shape)} (strides {list(kv_cache.stride())}, {kv_cache.dtype}) "
+        f"does not match layout {layout.value!r}: {why}. Expected logical shape {layout.expected_shape} "
+        f"with head_size={head_size}; {context()}. Fix: if the layout is wrong for this vLLM release, set "
+        f"SPARSE_ATTN_KV_LAYOUT=BACKEND=<layout> (one of {', '.join(x.value for x in KVLayout)}) and report "
+        f"the output of `python -m compat`; if head_size is wrong, pass the layer's head_size."
+    )
+
+
+def _blocks_first(kv: torch.Tensor, head_size: int, isa: str | None, context: ErrorContext) -> KVViews:
+    if kv.dim() != 5 or kv.shape[1] != 2 or kv.shape[4] != head_size:
+        raise _mismatch(KVLayout.BLOCKS_FIRST, kv, head_size, "need 5 dims with 2 at axis 1 and head_size last", context)
+    return kv[:, 0], kv[:, 1]
+
+
+def _kv_first(kv: torch.Tensor, head_size: int, isa: str | None, context: ErrorContext) -> KVViews:
+    if kv.dim() != 5 or kv.shape[0] != 2 or kv.shape[4] != head_size:
+        raise _mismatch(KVLayout.KV_FIRST, kv, head_size, "need 5 dims with 2 at axis 0 and head_size last", context)
+    return kv[0], kv[1]
+
+
+def _packed(kv: torch.Tensor, head_size: int, isa: str | None, context: ErrorContext) -> KVViews:
+    if kv.dim() != 4 or kv.shape[3] != 2 * head_size:
+        raise _mismatch(KVLayout.PACKED, kv, head_size, "need 4 dims with 2 * head_size last", context)
+    tokens_major = kv.transpose(1, 2)
+    return tokens_major[..., :head_size], tokens_major[..., head_size:]
+
+
+def _cpu_packed(kv: torch.Tensor, head_size: int, isa: str | None, context: ErrorContext) -> KVViews:
+    if kv.dim() != 4 or kv.shape[3] != 2 * head_size:
+        raise _mismatch(KVLayout.CPU_PACKED, kv, head_size, "need 4 dims with 2 * head_size last", context)
+    if isa not in CPU_ISAS_DIM_MAJOR_K:
+        raise UnsupportedLayoutError(
+            f"CPU attention ISA {isa!r} packs keys inside a page in a way compat has not verified "
+            f"(known: {', '.join(sorted(CPU_ISAS_DIM_MAJOR_K))}); {context()}. Reading it as dim-major "
+            f"keys could return the wrong memory. Fix: run vLLM with an ISA compat knows (fp32/fp16 model "
+            f"dtype selects 'vec' on x86), or add the ISA's page layout to compat.layouts with a contract test."
+        )
+    num_blocks, num_heads, block_size, _ = kv.shape
+    block_stride, head_stride, token_stride, elem_stride = kv.stride()
+    # The CPU kernels address a page as one flat run of N * 2D elements
+    # (`kv.view(B, H, 2N, D)` in vLLM), so only the block and head strides may vary.
+    if elem_stride != 1 or token_stride != 2 * head_size:
+        raise _mismatch(
+            KVLayout.CPU_PACKED, kv, head_size, "each (block, head) page must be one contiguous run of block_size * 2 * head_size elements", context
+        )
+    base = kv.storage_offset()
+    shape = (num_blocks, block_size, num_heads, head_size)
+    key = kv.as_strided(shape, (block_stride, 1, head_stride, block_size), base)
+    value = kv.as_strided(shape, (block_stride, head_size, head_stride, 1), base + block_size * head_size)
+    return key, value
+
+
+VIEW_FUNCTIONS: dict[KVLayout, Callable[[torch.Tensor, int, str | None, ErrorContext], KVViews]] = {
+    KVLayout.BLOCKS_FIRST: _blocks_first,
+    KVLayout.KV_FIRST: _kv_first,
+    KVLayout.PACKED: _packed,
+    KVLayout.CPU_PACKED: _cpu_packed,
+}
+
+
+def views(layout: KVLayout | str, kv_cache: torch.Tensor, head_size: int, *, isa: str | None = None, context: ErrorContext = _no_context) -> KVViews:
+    """Zero-copy ``(key_cache, value_cache)``, each logical ``[B, N, H, D]``.
+
+    ``isa`` is the CPU attention ISA (``layer.isa`` in vLLM), read only by ``cpu-packed``.
+    ``context`` supplies the backend / vLLM version text for error messages.
+    Raises ``UnsupportedLayoutError`` when the tensor does not fit the layout.
+    """
+    return VIEW_FUNCTIONS[KVLayout(layout)](kv_cache, head_size, isa, context)
+
+
+def write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store new tokens through logical ``[B, N, H, D]`` views, in place.
+
+    ``key``/``value``: ``[T, H, D]``; ``slot_mapping``: ``[T]`` with slot
+    ``s = block * N + offset``; negative slots are padding and are skipped,
+    as in vLLM's own cache ops. Values must already be in the cache dtype
+    (fp8 values may come as a float8 tensor into a ``uint8`` cache).
+    """
+    num_blocks, block_size, num_heads, head_size = key_cache.shape
+    for name, tensor in (("key", key), ("value", value)):
+        if tensor.dim() != 3 or tensor.shape[1:] != (num_heads, head_size) or tensor.shape[0] != slot_mapping.shape[0]:
+            raise KVWriteError(
+                f"{name} has shape {list(tensor.shape)}; expected [num_tokens={slot_mapping.shape[0]}, "
+                f"num_kv_heads={num_heads}, head_size={head_size}] to match slot_mapping and the cache."
+            )
+    key, value = _as_cache_dtype(key, key_cache.dtype), _as_cache_dtype(value, value_cache.dtype)
+    slots = slot_mapping.to(torch.long)
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, key, value = slots[keep], key[keep], value[keep]
+    if slots.numel() == 0:
+        return
+    capacity = num_blocks * block_size
+    if int(slots.max()) >= capacity:
+        raise KVWriteError(
+            f"slot {int(slots.max())} is out of range for a cache of {num_blocks} blocks x {block_size} "
+            f"tokens ({capacity} slots); the slot_mapping does not belong to this cache."
+        )
+    blocks, offsets = slots // block_size, slots % block_size
+    key_cache[blocks, offsets] = key
+    value_cache[blocks, offsets] = value
+
+
+_FLOAT8 = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name))
+
+
+def _as_cache_dtype(tensor: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    if tensor.dtype == cache_dtype:
+        return tensor
+    if cache_dtype == torch.uint8 and tensor.dtype in _FLOAT8:
+        return tensor.view(torch.uint8)
+    raise KVWriteError(
+        f"new K/V are {tensor.dtype} but the cache stores {cache_dtype}; compat stores values as they are "
+        f"and does not quantise. Fix: pass values already in the cache dtype (float8 into a uint8 cache is accepted)."
+    )

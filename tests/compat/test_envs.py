@@ -1,0 +1,79 @@
+"""The env registry: parsing, refusal of bad values, and README in step with it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import compat
+from compat import envs
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+@pytest.fixture(autouse=True)
+def fresh_env():
+    envs.reset_for_tests()
+    yield
+    envs.reset_for_tests()
+
+
+@pytest.mark.parametrize("raw, expected", [
+    pytest.param("", {}, id="empty"),
+    pytest.param("packed", {b: "packed" for b in envs.BACKENDS}, id="one-for-all"),
+    pytest.param("FLASHINFER=blocks-first", {"FLASHINFER": "blocks-first"}, id="one-backend"),
+    pytest.param(" FLASHINFER = packed , CPU_ATTN=cpu-packed ,", {"FLASHINFER": "packed", "CPU_ATTN": "cpu-packed"}, id="pairs-with-spaces"),
+])
+def test_layout_override_parses(monkeypatch, raw, expected):
+    monkeypatch.setenv("SPARSE_ATTN_KV_LAYOUT", raw)
+    assert envs.get("SPARSE_ATTN_KV_LAYOUT") == expected
+
+
+@pytest.mark.parametrize("name, raw, listed", [
+    pytest.param("SPARSE_ATTN_KV_LAYOUT", "nhd", "blocks-first, kv-first, packed, cpu-packed", id="layout-unknown"),
+    pytest.param("SPARSE_ATTN_KV_LAYOUT", "TRITON_ATTN=packed", "FLASHINFER, FLASH_ATTN, CPU_ATTN", id="layout-backend-unknown"),
+    pytest.param("SPARSE_ATTN_KV_LAYOUT", "FLASHINFER=packed,CPU_ATTN", "BACKEND=layout", id="layout-item-malformed"),
+    pytest.param("SPARSE_ATTN_CACHE_WRITER", "engine", "auto, vllm, adapter", id="writer-unknown"),
+    pytest.param("SPARSE_ATTN_DISABLE", "maybe", "'1'", id="flag-unknown"),
+    pytest.param("SPARSE_ATTN_STATS_INTERVAL_S", "-5", ">= 0", id="interval-negative"),
+    pytest.param("SPARSE_ATTN_STATS_INTERVAL_S", "nan", ">= 0", id="interval-nan"),
+])
+def test_bad_values_raise_with_choices(monkeypatch, name, raw, listed):
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(compat.InvalidOverrideError) as info:
+        envs.get(name)
+    assert listed in str(info.value) and name in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_values_are_parsed_once_until_reset(monkeypatch):
+    monkeypatch.setenv("SPARSE_ATTN_CACHE_WRITER", "vllm")
+    assert envs.get("SPARSE_ATTN_CACHE_WRITER") == "vllm"
+    monkeypatch.setenv("SPARSE_ATTN_CACHE_WRITER", "adapter")
+    assert envs.get("SPARSE_ATTN_CACHE_WRITER") == "vllm"
+    envs.reset_for_tests()
+    assert envs.get("SPARSE_ATTN_CACHE_WRITER") == "adapter"
+
+
+def test_applied_override_is_logged_once(monkeypatch, caplog):
+    monkeypatch.setenv("SPARSE_ATTN_CACHE_WRITER", "adapter")
+    with caplog.at_level("INFO", logger="compat"):
+        envs.get("SPARSE_ATTN_CACHE_WRITER")
+        envs.get("SPARSE_ATTN_CACHE_WRITER")
+    assert [r.getMessage() for r in caplog.records].count("sparse-attn: override SPARSE_ATTN_CACHE_WRITER=adapter applied") == 1
+
+
+def test_defaults(monkeypatch):
+    for name in envs.REGISTRY:
+        monkeypatch.delenv(name, raising=False)
+    assert envs.get("SPARSE_ATTN_KV_LAYOUT") == {}
+    assert envs.get("SPARSE_ATTN_CACHE_WRITER") == "auto"
+    assert envs.get("SPARSE_ATTN_DISABLE") is False and envs.get("SPARSE_ATTN_STRICT") is False
+    assert envs.get("SPARSE_ATTN_STATS_INTERVAL_S") == 60.0
+
+
+def test_readme_documents_every_variable_and_no_other():
+    rows = re.findall(r"^\|\s*`(SPARSE_ATTN_[A-Z0-9_]+)`\s*\|\s*`([^`]*)`\s*\|", README.read_text(), flags=re.M)
+    assert {name: default for name, default in rows} == {name: var.default for name, var in envs.REGISTRY.items()}

@@ -1,0 +1,222 @@
+"""The layout catalogue on plain tensors: every layout x stride order x dtype.
+
+Each cache is built here from reference K/V ``[B, N, H, D]`` by an expression
+written independently of ``compat.layouts`` (stack/cat/transposes of the
+physical page), then re-laid in each stride order a release can allocate.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import compat
+from compat import layouts
+from compat.layouts import KVLayout
+
+B, N, H, D = 5, 32, 3, 8
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8-as-uint8": torch.uint8}
+
+
+def random_kv(dtype: torch.dtype, gen: torch.Generator, shape=(B, N, H, D)) -> tuple[torch.Tensor, torch.Tensor]:
+    if dtype == torch.uint8:
+        return (torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8) for _ in range(2))
+    return (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+
+
+def logical_cache(layout: KVLayout, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The logical cache tensor, built from K/V the way each release lays pages out."""
+    if layout is KVLayout.BLOCKS_FIRST:
+        return torch.stack([k, v], dim=1)
+    if layout is KVLayout.KV_FIRST:
+        return torch.stack([k, v], dim=0)
+    if layout is KVLayout.PACKED:  # [B, H, N, 2D]: each token's K then V
+        return torch.cat([k, v], dim=-1).permute(0, 2, 1, 3)
+    # cpu-packed: page (b, h) = K as [D, N] flattened, then V as [N, D] flattened
+    k_dim_major = k.permute(0, 2, 3, 1).reshape(B, H, N * D)
+    v_token_major = v.permute(0, 2, 1, 3).reshape(B, H, N * D)
+    return torch.cat([k_dim_major, v_token_major], dim=-1).reshape(B, H, N, 2 * D)
+
+
+def with_stride_order(logical: torch.Tensor, order: tuple[int, ...], pad_layers: int = 1) -> torch.Tensor:
+    """Same logical values, physically stored in ``order`` (axes of ``logical``).
+
+    ``pad_layers > 1`` interleaves other layers' pages per block (block-outer
+    layouts such as BLHNC): the block stride then spans several layers.
+    """
+    physical = logical.permute(order).contiguous()
+    if pad_layers > 1:
+        block_axis = order.index(0) if logical.dim() == 4 or logical.shape[0] != 2 else order.index(1)
+        big = torch.zeros((*physical.shape[: block_axis + 1], pad_layers, *physical.shape[block_axis + 1 :]), dtype=logical.dtype)
+        big.select(block_axis + 1, pad_layers - 1).copy_(physical)
+        physical = big.select(block_axis + 1, pad_layers - 1)
+    inverse = tuple(order.index(i) for i in range(len(order)))
+    return physical.permute(inverse)
+
+
+# (layout, name, physical axis order, layers interleaved per block)
+STRIDE_ORDERS = [
+    (KVLayout.BLOCKS_FIRST, "NHD", (0, 1, 2, 3, 4), 1),
+    (KVLayout.BLOCKS_FIRST, "HND", (0, 1, 3, 2, 4), 1),
+    (KVLayout.KV_FIRST, "NHD", (0, 1, 2, 3, 4), 1),
+    (KVLayout.KV_FIRST, "HND", (0, 1, 3, 2, 4), 1),
+    (KVLayout.PACKED, "LBHNC", (0, 1, 2, 3), 1),
+    (KVLayout.PACKED, "LBNHC", (0, 2, 1, 3), 1),
+    (KVLayout.PACKED, "LHBNC", (1, 0, 2, 3), 1),
+    (KVLayout.PACKED, "BLHNC", (0, 1, 2, 3), 3),
+    (KVLayout.PACKED, "BLNHC", (0, 2, 1, 3), 3),
+    (KVLayout.CPU_PACKED, "LBHNC", (0, 1, 2, 3), 1),
+    (KVLayout.CPU_PACKED, "LHBNC", (1, 0, 2, 3), 1),
+    (KVLayout.CPU_PACKED, "BLHNC", (0, 1, 2, 3), 2),
+]
+CASES = [
+    pytest.param(layout, order, pad, dtype, id=f"{layout.value}-{name}-{dname}")
+    for (layout, name, order, pad), (dname, dtype) in itertools.product(STRIDE_ORDERS, DTYPES.items())
+]
+
+
+def view_kwargs(layout: KVLayout) -> dict:
+    return {"isa": "vec"} if layout is KVLayout.CPU_PACKED else {}
+
+
+@pytest.mark.parametrize("layout, order, pad, dtype", CASES)
+def test_views_read_values_and_share_storage(layout, order, pad, dtype):
+    gen = torch.Generator().manual_seed(0)
+    k, v = random_kv(dtype, gen)
+    cache = with_stride_order(logical_cache(layout, k, v), order, pad)
+    assert torch.equal(cache, logical_cache(layout, k, v))
+
+    key_view, value_view = layouts.views(layout, cache, D, **view_kwargs(layout))
+
+    assert key_view.shape == value_view.shape == (B, N, H, D)
+    assert torch.equal(key_view, k) and torch.equal(value_view, v)
+    for view in (key_view, value_view):
+        assert view.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr()
+    # Writing through a view must land in the cache itself.
+    marker = torch.tensor(7, dtype=dtype)
+    key_view[2, 5, 1, 3] = marker
+    value_view[4, 31, 2, 0] = marker
+    rebuilt = logical_cache(layout, key_view.clone(), value_view.clone())
+    assert torch.equal(cache, rebuilt)
+    k2, v2 = layouts.views(layout, cache, D, **view_kwargs(layout))
+    assert k2[2, 5, 1, 3] == marker and v2[4, 31, 2, 0] == marker
+
+
+def reference_write(layout: KVLayout, cache: torch.Tensor, slot: int, k_tok: torch.Tensor, v_tok: torch.Tensor) -> None:
+    """Store one token by addressing the logical cache directly (independent of compat)."""
+    block, off = divmod(slot, N)
+    if layout is KVLayout.BLOCKS_FIRST:
+        cache[block, 0, off], cache[block, 1, off] = k_tok, v_tok
+    elif layout is KVLayout.KV_FIRST:
+        cache[0, block, off], cache[1, block, off] = k_tok, v_tok
+    elif layout is KVLayout.PACKED:
+        cache[block, :, off, :D], cache[block, :, off, D:] = k_tok, v_tok
+    else:
+        flat = cache[block].reshape(H, 2 * N * D)  # a page is contiguous, so reshape is a view
+        assert flat.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr()
+        for h in range(H):
+            flat[h, off : N * D : N] = k_tok[h]
+            flat[h, N * D + off * D : N * D + (off + 1) * D] = v_tok[h]
+
+
+@pytest.mark.parametrize("layout, order, pad, dtype", CASES)
+def test_write_round_trip_over_decode_steps(layout, order, pad, dtype):
+    gen = torch.Generator().manual_seed(1)
+    zeros = torch.zeros(B, N, H, D, dtype=dtype)
+    cache = with_stride_order(logical_cache(layout, zeros, zeros), order, pad)
+    expected = cache.clone()
+    written: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    free = torch.randperm(B * N, generator=gen).tolist()
+    for step in range(4):
+        tokens = 1 + step * 3
+        slots = torch.tensor([free.pop() for _ in range(tokens)] + [-1, -1])  # padding slots at the end
+        slots = slots[torch.randperm(len(slots), generator=gen)]
+        new_k, new_v = random_kv(dtype, gen, (len(slots), H, D))
+        key_view, value_view = layouts.views(layout, cache, D, **view_kwargs(layout))
+        layouts.write(new_k, new_v, key_view, value_view, slots)
+        for i, slot in enumerate(slots.tolist()):
+            if slot >= 0:
+                written[slot] = (new_k[i], new_v[i])
+                reference_write(layout, expected, slot, new_k[i], new_v[i])
+        assert torch.equal(cache, expected), f"step {step}: cache bytes differ from the reference writer"
+        key_view, value_view = layouts.views(layout, cache, D, **view_kwargs(layout))
+        for slot, (kt, vt) in written.items():
+            assert torch.equal(key_view[slot // N, slot % N], kt)
+            assert torch.equal(value_view[slot // N, slot % N], vt)
+
+
+@pytest.mark.parametrize(
+    "layout, shape",
+    [
+        pytest.param(KVLayout.BLOCKS_FIRST, (B, N, H, D), id="blocks-first-rank4"),
+        pytest.param(KVLayout.BLOCKS_FIRST, (B, 3, N, H, D), id="blocks-first-kv-axis-3"),
+        pytest.param(KVLayout.BLOCKS_FIRST, (B, 2, N, H, D + 1), id="blocks-first-head-size"),
+        pytest.param(KVLayout.KV_FIRST, (3, B, N, H, D), id="kv-first-kv-axis-3"),
+        pytest.param(KVLayout.KV_FIRST, (2, B, N, H, 2 * D), id="kv-first-head-size"),
+        pytest.param(KVLayout.PACKED, (B, 2, N, H, D), id="packed-given-5d"),
+        pytest.param(KVLayout.PACKED, (B, H, N, D), id="packed-last-dim-D"),
+        pytest.param(KVLayout.CPU_PACKED, (B, H, N, 3 * D), id="cpu-packed-last-dim"),
+        pytest.param(KVLayout.CPU_PACKED, (B, 2, N, H, D), id="cpu-packed-given-5d"),
+    ],
+)
+def test_bad_shapes_raise_unsupported_layout(layout, shape):
+    with pytest.raises(compat.UnsupportedLayoutError) as info:
+        layouts.views(layout, torch.zeros(shape), D, isa="vec")
+    message = str(info.value)
+    assert str(list(shape)) in message and layout.expected_shape in message and "SPARSE_ATTN_KV_LAYOUT" in message
+    assert isinstance(info.value, ValueError)
+
+
+def test_cpu_packed_refuses_token_major_pages():
+    # LBNHC strides: the (block, head) page is not one run, so vLLM's CPU view would fail too.
+    zeros = torch.zeros(B, N, H, D)
+    cache = with_stride_order(logical_cache(KVLayout.CPU_PACKED, zeros, zeros), (0, 2, 1, 3))
+    with pytest.raises(compat.UnsupportedLayoutError, match="contiguous run"):
+        layouts.views(KVLayout.CPU_PACKED, cache, D, isa="vec")
+
+
+@pytest.mark.parametrize("isa", ["amx", "neon", None])
+def test_cpu_packed_refuses_unverified_isa(isa):
+    cache = torch.zeros(B, H, N, 2 * D)
+    with pytest.raises(compat.UnsupportedLayoutError, match="ISA"):
+        layouts.views(KVLayout.CPU_PACKED, cache, D, isa=isa)
+
+
+def test_two_blocks_are_never_guessed_from_shape():
+    # [2, 2, N, H, D] fits both 5-D layouts; only the selected layout decides.
+    cache = torch.arange(2 * 2 * N * H * D, dtype=torch.float32).reshape(2, 2, N, H, D)
+    k_bf, _ = layouts.views(KVLayout.BLOCKS_FIRST, cache, D)
+    k_kf, _ = layouts.views(KVLayout.KV_FIRST, cache, D)
+    assert torch.equal(k_bf, cache[:, 0]) and torch.equal(k_kf, cache[0])
+    assert not torch.equal(k_bf, k_kf)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        pytest.param(lambda: (torch.zeros(2, H, D), torch.zeros(2, H, D), torch.tensor([0, B * N])), "out of range", id="slot-out-of-range"),
+        pytest.param(lambda: (torch.zeros(2, H, D, dtype=torch.float16), torch.zeros(2, H, D), torch.tensor([0, 1])), "float16", id="dtype-mismatch"),
+        pytest.param(lambda: (torch.zeros(2, H + 1, D), torch.zeros(2, H + 1, D), torch.tensor([0, 1])), "num_kv_heads", id="heads-mismatch"),
+        pytest.param(lambda: (torch.zeros(3, H, D), torch.zeros(3, H, D), torch.tensor([0, 1])), "num_tokens", id="slot-count-mismatch"),
+    ],
+)
+def test_bad_writes_raise(make, match):
+    key, value, slots = make()
+    cache = torch.zeros(B, 2, N, H, D)
+    before = cache.clone()
+    k_view, v_view = layouts.views(KVLayout.BLOCKS_FIRST, cache, D)
+    with pytest.raises(compat.KVWriteError, match=match):
+        layouts.write(key, value, k_view, v_view, slots)
+    assert torch.equal(cache, before), "a refused write must leave the cache untouched"
+
+
+@pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="torch without float8")
+def test_float8_values_store_into_uint8_cache():
+    cache = torch.zeros(B, H, N, 2 * D, dtype=torch.uint8)
+    key = torch.randn(1, H, D).to(torch.float8_e4m3fn)
+    value = torch.randn(1, H, D).to(torch.float8_e4m3fn)
+    k_view, v_view = layouts.views(KVLayout.PACKED, cache, D)
+    layouts.write(key, value, k_view, v_view, torch.tensor([N + 3]))
+    assert torch.equal(k_view[1, 3], key[0].view(torch.uint8)) and torch.equal(v_view[1, 3], value[0].view(torch.uint8))
