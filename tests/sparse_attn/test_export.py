@@ -1,0 +1,241 @@
+"""sparse_attn.calibration.export: section building and atomic checkpoint updates."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+
+import pytest
+
+from sparse_attn.calibration import export
+from sparse_attn.calibration.export import (
+    PRODUCER_NAME,
+    ExportError,
+    build_sparse_attention_config,
+    update_checkpoint_config,
+    write_json_atomic,
+)
+from sparse_attn.calibration.fit import FitPoint, fit_phase
+from sparse_attn.config import SparseAttentionConfigError, load_from_checkpoint, parse_sparse_attention_config
+
+
+def _fit(phase, a, b, target):
+    pts = [FitPoint(a * math.exp(b * s), s) for s in (0.2, 0.4, 0.6, 0.8)]
+    return fit_phase(pts, target, phase=phase)
+
+
+@pytest.fixture
+def section():
+    return build_sparse_attention_config(
+        {"prefill": _fit("prefill", 7.0, 8.0, 0.5), "decode": _fit("decode", 0.1, 10.0, 0.3)},
+        target_classes=["LlamaAttention", "LlamaAttention"],
+        ignore=["model.layers.0.self_attn"],
+        producer_version="9.9.9",
+    )
+
+
+def test_section_layout(section):
+    group = section["config_groups"]["group_0"]
+    assert group["algorithm"] == "skip_softmax"
+    assert group["targets"] == ["LlamaAttention"]
+    assert group["ignore"] == ["model.layers.0.self_attn"]
+    tsf = group["threshold_scale_factor"]
+    assert tsf["formula"] == "a * exp(b * target_sparsity)"
+    assert tsf["prefill"] == {"a": pytest.approx(7.0), "b": pytest.approx(8.0)}
+    assert group["target_sparsity"] == {"prefill": 0.5, "decode": 0.3}
+    assert section["producer"] == {"name": PRODUCER_NAME, "version": "9.9.9"}
+    cfg = parse_sparse_attention_config(section)
+    assert cfg.threshold("prefill", 2048) == pytest.approx(7.0 * math.exp(8.0 * 0.5) / 2048)
+
+
+def test_section_with_one_phase_and_explicit_targets():
+    section = build_sparse_attention_config({"prefill": (2.0, 3.0)}, {"prefill": 0.4, "decode": 0.9}, producer_version="1")
+    group = section["config_groups"]["group_0"]
+    assert set(group["threshold_scale_factor"]) == {"formula", "prefill"}
+    assert group["target_sparsity"] == {"prefill": 0.4}
+    assert "targets" not in group and "ignore" not in group
+    assert parse_sparse_attention_config(section).missing_phases == ("decode",)
+
+
+@pytest.mark.parametrize(
+    "fits,err",
+    [({}, ExportError), ({"generate": (1.0, 1.0)}, ExportError), ({"prefill": (-1.0, 1.0)}, SparseAttentionConfigError),
+     ({"prefill": (float("nan"), 1.0)}, SparseAttentionConfigError)],
+    ids=["no_fits", "unknown_phase", "negative_a", "nan_a"],
+)
+def test_build_rejects(fits, err):
+    with pytest.raises(err):
+        build_sparse_attention_config(fits, producer_version="1")
+
+
+def _tmp_leftovers(directory):
+    return [p.name for p in directory.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_write_json_atomic(tmp_path, section):
+    out = write_json_atomic(tmp_path / "calib.json", section)
+    assert json.loads(out.read_text()) == section
+    assert out.read_text().endswith("\n")
+    assert _tmp_leftovers(tmp_path) == []
+    # overwriting keeps working and leaves no temp files
+    write_json_atomic(out, {"x": 1})
+    assert json.loads(out.read_text()) == {"x": 1} and _tmp_leftovers(tmp_path) == []
+
+
+def test_write_json_refuses_nan(tmp_path):
+    with pytest.raises(ExportError, match="non-finite"):
+        write_json_atomic(tmp_path / "x.json", {"a": float("nan")})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_write_into_missing_directory(tmp_path):
+    with pytest.raises(ExportError, match="does not exist"):
+        write_json_atomic(tmp_path / "nope" / "x.json", {})
+
+
+ORIGINAL = {"architectures": ["LlamaForCausalLM"], "sparse_attention_config": {"old": True}, "model_type": "llama", "vocab_size": 32000}
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(ORIGINAL, indent=2))
+    os.chmod(d / "config.json", 0o640)
+    return d
+
+
+def test_update_replaces_section_in_place_and_keeps_everything_else(ckpt, section):
+    update_checkpoint_config(ckpt, section)
+    data = json.loads((ckpt / "config.json").read_text())
+    assert list(data) == list(ORIGINAL)  # key order preserved, section kept in its slot
+    assert {k: v for k, v in data.items() if k != "sparse_attention_config"} == {
+        k: v for k, v in ORIGINAL.items() if k != "sparse_attention_config"
+    }
+    assert data["sparse_attention_config"] == section
+    assert load_from_checkpoint(ckpt) == parse_sparse_attention_config(section)
+    assert stat.S_IMODE((ckpt / "config.json").stat().st_mode) == 0o640
+    assert _tmp_leftovers(ckpt) == []
+
+
+def test_update_appends_new_section_last(ckpt, section):
+    (ckpt / "config.json").write_text(json.dumps({"b": 1, "a": 2}))
+    update_checkpoint_config(ckpt, section)
+    assert list(json.loads((ckpt / "config.json").read_text())) == ["b", "a", "sparse_attention_config"]
+
+
+def _explode(*_a, **_k):
+    raise OSError(28, "No space left on device")
+
+
+class Killed(BaseException):
+    """Stands in for a signal (KeyboardInterrupt/SystemExit) arriving mid-write."""
+
+
+def _kill(*_a, **_k):
+    raise Killed()
+
+
+@pytest.mark.parametrize(
+    "target,replacement,expected",
+    [("replace", _explode, ExportError), ("fsync", _explode, ExportError), ("fsync", _kill, Killed), ("chmod", _kill, Killed)],
+    ids=["os.replace_fails", "fsync_fails", "killed_during_fsync", "killed_before_rename"],
+)
+def test_failure_mid_write_leaves_original_byte_identical(ckpt, section, monkeypatch, target, replacement, expected):
+    before = (ckpt / "config.json").read_bytes()
+    monkeypatch.setattr(export.os, target, replacement)
+    with pytest.raises(expected) as info:
+        update_checkpoint_config(ckpt, section)
+    monkeypatch.undo()
+    assert (ckpt / "config.json").read_bytes() == before
+    assert _tmp_leftovers(ckpt) == []
+    if expected is ExportError:
+        assert "left unchanged" in str(info.value)
+
+
+def test_partial_write_then_failure_leaves_original(ckpt, section, monkeypatch):
+    """The new text is half-written into the temp file when the process dies."""
+    before = (ckpt / "config.json").read_bytes()
+    real_fdopen = os.fdopen
+
+    class HalfWriter:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+            return False
+
+        def write(self, text):
+            self.f.write(text[: len(text) // 2])
+            self.f.flush()
+            raise Killed()
+
+    monkeypatch.setattr(export.os, "fdopen", lambda fd, *a, **k: HalfWriter(real_fdopen(fd, *a, **k)))
+    with pytest.raises(Killed):
+        update_checkpoint_config(ckpt, section)
+    assert (ckpt / "config.json").read_bytes() == before
+    assert _tmp_leftovers(ckpt) == []
+
+
+@pytest.mark.parametrize(
+    "content,match",
+    [(None, "does not exist"), ("{broken", "not valid JSON"), ("[1, 2]", "JSON list, not an object")],
+    ids=["missing_config", "invalid_json", "not_an_object"],
+)
+def test_update_refuses_bad_config_json(ckpt, section, content, match):
+    path = ckpt / "config.json"
+    if content is None:
+        path.unlink()
+    else:
+        path.write_text(content)
+    with pytest.raises(ExportError, match=match):
+        update_checkpoint_config(ckpt, section)
+    if content is not None:
+        assert path.read_text() == content
+    else:
+        assert not path.exists()
+
+
+def test_update_refuses_missing_directory(tmp_path, section):
+    with pytest.raises(ExportError, match="does not exist"):
+        update_checkpoint_config(tmp_path / "nope", section)
+
+
+def test_update_refuses_invalid_section_before_touching_disk(ckpt):
+    before = (ckpt / "config.json").read_bytes()
+    bad = {"config_groups": {"g": {"algorithm": "skip_softmax", "threshold_scale_factor": {"formula": "a * exp(b * target_sparsity)", "prefill": {"a": 0, "b": 1}}}}}
+    with pytest.raises(ExportError, match=r"invalid section .*prefill\.a"):
+        update_checkpoint_config(ckpt, bad)
+    assert (ckpt / "config.json").read_bytes() == before
+
+
+def test_unwritable_directory_simulated(ckpt, section, monkeypatch):
+    """Works as root too: the temp-file creation fails like it would on EACCES/EROFS."""
+    before = (ckpt / "config.json").read_bytes()
+
+    def denied(*_a, **_k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(export.tempfile, "mkstemp", denied)
+    monkeypatch.setattr(export.os, "access", lambda *_a, **_k: True)
+    with pytest.raises(ExportError, match="not writable .*Permission denied"):
+        update_checkpoint_config(ckpt, section)
+    assert (ckpt / "config.json").read_bytes() == before
+
+
+def test_unwritable_directory_real_chmod(ckpt, section):
+    os.chmod(ckpt, 0o555)
+    try:
+        if os.access(ckpt, os.W_OK):
+            pytest.skip("running with privileges that ignore directory permissions (e.g. root)")
+        with pytest.raises(ExportError, match="not writable"):
+            update_checkpoint_config(ckpt, section)
+        assert json.loads((ckpt / "config.json").read_text()) == ORIGINAL
+    finally:
+        os.chmod(ckpt, 0o755)
