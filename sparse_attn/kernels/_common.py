@@ -1,0 +1,195 @@
+"""Tile geometry, argument validation and the skip rule shared by every implementation.
+
+Skip rule (identical in serving and counting mode, identical in every implementation)
+-------------------------------------------------------------------------------------
+Work is cut into tiles.  A *query tile* is ``TILE_Q`` consecutive query rows of one
+sequence, aligned to the sequence's first query row; it is taken per query head.  A *KV
+tile* is ``TILE_K`` consecutive KV positions of one sequence, aligned to KV position 0
+(independent of the cache page size).
+
+For query row ``i`` of a sequence with ``q_len`` queries and ``kv_len`` keys, the absolute
+position is ``kv_len - q_len + i``; with ``causal=True`` it sees KV positions ``<=`` that,
+otherwise all ``kv_len`` positions.  Rows past ``q_len`` in the last query tile are padding.
+
+A (query head, query tile) *visits* KV tiles ``0 .. last`` where ``last`` is the KV tile
+holding the last position its last valid row sees; tiles entirely above the causal
+diagonal are neither visited nor counted.  For visited KV tile ``t`` and valid row ``r``:
+
+    tile_max[r, t] = max over visible columns c of tile t of  scale * q_r . k_c    (-inf if none)
+    m_before[r, t] = max(tile_max[r, 0], ..., tile_max[r, t-1])       (dense running max)
+    ratio[t]       = max over valid rows r of exp(tile_max[r, t] - m_before[r, t])
+
+and the tile is *skippable under lambda* iff ``t > 0 and ratio[t] < lambda``.  Serving
+mode with threshold ``lambda`` leaves skippable tiles out of the softmax (no exp, no V
+read, no P.V), so the output is the softmax restricted to the non-skipped tiles.  The
+running max is the dense one in both modes: a skipped tile's scores are still known (its
+Q.K^T is needed for the test), so ``m_before`` never depends on earlier decisions, and
+calibration counts taken in counting mode are exactly the serving-mode skip counts.
+``lambda = 0`` never skips (``exp(.) >= 0``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+#: Query rows per query tile (per query head).
+TILE_Q = 64
+#: KV positions per KV tile.
+TILE_K = 64
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class BatchMeta:
+    """Host-side copy of the batch description, produced by :func:`validate`.
+
+    ``seq_lens`` / ``q_starts`` / ``q_lens`` are Python ints per sequence (tokens);
+    ``num_kv_heads`` / ``group`` give the GQA mapping ``kv_head = q_head // group``.
+    """
+
+    seq_lens: list[int]
+    q_starts: list[int]
+    q_lens: list[int]
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+
+def _fail(what: str, seen, expected) -> None:
+    raise ValueError(f"paged_attention: {what}: got {seen}, expected {expected}")
+
+
+def check_threshold(value, name: str = "threshold") -> float:
+    """Return ``value`` (``None`` -> 0.0) as a float after checking it is finite and >= 0."""
+    if value is None:
+        return 0.0
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            _fail(f"{name} must be a scalar", tuple(value.shape), "a Python float or 0-d tensor")
+        value = value.item()
+    try:
+        lam = float(value)
+    except (TypeError, ValueError):
+        _fail(f"{name} is not a number", repr(value), "a float >= 0")
+    if math.isnan(lam) or math.isinf(lam) or lam < 0:
+        _fail(f"{name} (lambda) out of range", lam, "a finite float >= 0")
+    return lam
+
+
+def check_thresholds(values: Sequence[float] | torch.Tensor) -> list[float]:
+    """Validate a 1-D list/tensor of candidate lambdas for counting mode."""
+    if isinstance(values, torch.Tensor):
+        if values.dim() != 1:
+            _fail("thresholds must be 1-D", tuple(values.shape), "shape [num_thresholds]")
+        values = values.tolist()
+    return [check_threshold(v, f"thresholds[{i}]") for i, v in enumerate(values)]
+
+
+def validate(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None,
+) -> BatchMeta:
+    """Check every argument before any work and return the batch on the host.
+
+    Raises ``ValueError`` naming what was seen and what was expected.  Costs one
+    device->host copy of ``seq_lens`` / ``query_start_loc`` and a reduction over the
+    block table.
+    """
+    for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache),
+                    ("block_table", block_table), ("seq_lens", seq_lens),
+                    ("query_start_loc", query_start_loc)):
+        if not isinstance(t, torch.Tensor):
+            _fail(f"{name} is not a tensor", type(t).__name__, "torch.Tensor")
+    if query.dim() != 3:
+        _fail("query rank", tuple(query.shape), "[num_tokens, num_q_heads, head_dim]")
+    for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if c.dim() != 4:
+            _fail(f"{name} rank", tuple(c.shape), "[num_blocks, page_size, num_kv_heads, head_dim]")
+    if key_cache.shape != value_cache.shape:
+        _fail("key_cache/value_cache shapes differ", (tuple(key_cache.shape), tuple(value_cache.shape)),
+              "identical logical shapes")
+    num_tokens, hq, d = query.shape
+    num_blocks, page_size, hkv, dk = key_cache.shape
+    if page_size < 1:
+        _fail("page_size (key_cache.shape[1])", page_size, ">= 1")
+    if dk != d:
+        _fail("head size mismatch between query and KV cache", f"query D={d}, cache D={dk}", "equal head sizes")
+    if hkv == 0 or hq % hkv != 0:
+        _fail("num_q_heads is not a multiple of num_kv_heads", f"Hq={hq}, Hkv={hkv}", "Hq % Hkv == 0")
+    if query.dtype not in _FLOAT_DTYPES:
+        _fail("query dtype", query.dtype, "float32, bfloat16 or float16")
+    for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if c.dtype != query.dtype:
+            _fail(f"{name} dtype differs from query dtype", c.dtype, query.dtype)
+    for name, t in (("block_table", block_table), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
+        if t.dtype not in _INDEX_DTYPES:
+            _fail(f"{name} dtype", t.dtype, "torch.int32 or torch.int64")
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache), ("block_table", block_table),
+                    ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
+        if t.device != query.device:
+            _fail(f"{name} device differs from query device", t.device, query.device)
+    if seq_lens.dim() != 1:
+        _fail("seq_lens rank", tuple(seq_lens.shape), "[num_seqs]")
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc.shape != (num_seqs + 1,):
+        _fail("query_start_loc shape", tuple(query_start_loc.shape), f"[num_seqs + 1] = [{num_seqs + 1}]")
+    if block_table.dim() != 2 or block_table.shape[0] != num_seqs:
+        _fail("block_table shape", tuple(block_table.shape), f"[num_seqs={num_seqs}, max_blocks]")
+    try:
+        scale = float(scale)
+    except (TypeError, ValueError):
+        _fail("scale is not a number", repr(scale), "a finite float")
+    if not math.isfinite(scale):
+        _fail("scale", scale, "a finite float")
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or out.shape != query.shape or out.dtype != query.dtype \
+                or out.device != query.device:
+            seen = (tuple(out.shape), out.dtype, out.device) if isinstance(out, torch.Tensor) else type(out).__name__
+            _fail("out", seen, (tuple(query.shape), query.dtype, query.device))
+
+    lens = seq_lens.tolist()
+    qsl = query_start_loc.tolist()
+    if any(n < 0 for n in lens):
+        _fail("negative seq_lens", lens, "lengths >= 0")
+    if qsl and qsl[0] != 0:
+        _fail("query_start_loc[0]", qsl[0], 0)
+    q_lens = [b - a for a, b in zip(qsl[:-1], qsl[1:])]
+    if any(n < 0 for n in q_lens):
+        _fail("query_start_loc is not non-decreasing (negative query length)", qsl, "non-decreasing offsets")
+    if qsl[-1] != num_tokens:
+        _fail("query_start_loc[-1] differs from the number of query tokens", qsl[-1], num_tokens)
+    bad = [s for s in range(num_seqs) if q_lens[s] > lens[s]]
+    if bad:
+        s = bad[0]
+        _fail(f"query length exceeds KV length for sequence {s}", f"q_len={q_lens[s]}, kv_len={lens[s]}",
+              "q_len <= kv_len (queries are the last q_len KV positions)")
+    if num_seqs:
+        need = [(n + page_size - 1) // page_size for n in lens]
+        if max(need) > block_table.shape[1]:
+            s = max(range(num_seqs), key=lambda i: need[i])
+            _fail(f"block_table too narrow for sequence {s}", f"{block_table.shape[1]} columns",
+                  f">= {need[s]} blocks for kv_len={lens[s]} at page_size={page_size}")
+        used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] \
+            < torch.tensor(need, device=block_table.device)[:, None]
+        out_of_range = used & ((block_table < 0) | (block_table >= num_blocks))
+        if bool(out_of_range.any()):
+            s, j = (int(x) for x in out_of_range.nonzero()[0])
+            _fail(f"block_table[{s}, {j}] out of range", int(block_table[s, j]), f"a block id in [0, {num_blocks})")
+    return BatchMeta(lens, qsl[:-1], q_lens, hq, hkv, d, page_size)

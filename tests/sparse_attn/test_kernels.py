@@ -1,0 +1,322 @@
+"""Tests of the torch (CPU) skip-softmax paged attention.
+
+References here are written independently of the implementation: dense attention is
+float64 softmax on K/V gathered token by token; the sparse reference walks every
+(query head, query tile, KV tile) in Python loops and applies the documented skip rule.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sparse_attn.kernels import TILE_K, TILE_Q, paged_attention, paged_attention_counts
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _cache_pair(n_blocks, page, hkv, d, layout, dtype, gen):
+    """Logical [n_blocks, page, Hkv, D] K and V views in a given physical layout, NaN-filled."""
+    if layout == "contiguous":
+        k = torch.empty(n_blocks, page, hkv, d, dtype=dtype)
+        v = torch.empty(n_blocks, page, hkv, d, dtype=dtype)
+    elif layout == "dim_major_k":
+        # K stored [blocks, Hkv, D, page] (x-major style), V head-major.
+        k = torch.empty(n_blocks, hkv, d, page, dtype=dtype).permute(0, 3, 1, 2)
+        v = torch.empty(n_blocks, hkv, page, d, dtype=dtype).permute(0, 2, 1, 3)
+    elif layout == "packed_kv":
+        # One [B, H, N, 2D] buffer, transposed to [B, N, H, 2D] and split into K | V.
+        buf = torch.empty(n_blocks, hkv, page, 2 * d, dtype=dtype).transpose(1, 2)
+        k, v = buf[..., :d], buf[..., d:]
+    elif layout == "kv_interleaved_blocks":
+        # [blocks, 2, page, Hkv, D]: block stride is not page * token stride.
+        buf = torch.empty(n_blocks, 2, page, hkv, d, dtype=dtype)
+        k, v = buf[:, 0], buf[:, 1]
+    else:
+        raise AssertionError(layout)
+    k.fill_(float("nan"))
+    v.fill_(float("nan"))
+    return k, v
+
+
+def make_batch(kv_lens, q_lens, hq, hkv, d, page, *, layout="contiguous", dtype=torch.float32, seed=0):
+    """Random paged batch; every cache slot no sequence owns holds NaN, unused table entries -1."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-n // page) for n in kv_lens]
+    n_blocks = sum(need) + 2
+    k, v = _cache_pair(n_blocks, page, hkv, d, layout, dtype, gen)
+    perm = torch.randperm(n_blocks, generator=gen)
+    bt = torch.full((len(kv_lens), max(need + [1]) + 1), -1, dtype=torch.int32)
+    used = 0
+    for s, n in enumerate(kv_lens):
+        bt[s, :need[s]] = perm[used:used + need[s]]
+        used += need[s]
+        pos = torch.arange(n)
+        blk = bt[s].long()[pos // page]
+        k[blk, pos % page] = torch.randn(n, hkv, d, generator=gen).to(dtype)
+        v[blk, pos % page] = torch.randn(n, hkv, d, generator=gen).to(dtype)
+    q = torch.randn(sum(q_lens), hq, d, generator=gen).to(dtype)
+    qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    return q, k, v, bt, torch.tensor(kv_lens, dtype=torch.int32), qsl
+
+
+def add_sink(batch, strength=3.0):
+    """Give every query a large score on each sequence's first key (an attention sink),
+    so that whole 64-row query tiles agree on skipping the unremarkable KV tiles."""
+    q, k, v, bt, seq_lens, qsl = batch
+    u = torch.zeros(q.shape[-1], dtype=q.dtype)
+    u[0] = strength
+    q = q + u
+    for s in range(len(seq_lens)):
+        if int(seq_lens[s]) > 0:
+            k[int(bt[s, 0]), 0, :, 0] = strength * 2
+    return q, k, v, bt, seq_lens, qsl
+
+
+def gather_seq(cache, bt, s, n):
+    page = cache.shape[1]
+    pos = torch.arange(n)
+    return cache[bt[s].long()[pos // page], pos % page].double()       # [n, Hkv, D]
+
+
+def reference(q, k, v, bt, seq_lens, qsl, scale, lam=0.0, causal=True, thresholds=()):
+    """Brute-force float64 attention with the documented tile skip rule.
+
+    Returns ``(out [T, Hq, D] float64, skipped [Hq] under lam, visited [Hq],
+    skipped_per_threshold [len(thresholds), Hq])``.
+    """
+    t_tokens, hq, d = q.shape
+    g = hq // k.shape[2]
+    out = torch.zeros(t_tokens, hq, d, dtype=torch.float64)
+    skipped = torch.zeros(hq, dtype=torch.int64)
+    visited = torch.zeros(hq, dtype=torch.int64)
+    per_thr = torch.zeros(len(thresholds), hq, dtype=torch.int64)
+    for s in range(len(seq_lens)):
+        n, a, b = int(seq_lens[s]), int(qsl[s]), int(qsl[s + 1])
+        q_len = b - a
+        if q_len == 0:
+            continue
+        keys, vals = gather_seq(k, bt, s, n), gather_seq(v, bt, s, n)
+        qpos = torch.arange(n - q_len, n)
+        if causal:
+            allowed = torch.arange(n)[None, :] <= qpos[:, None]
+        else:
+            allowed = torch.ones(q_len, n, dtype=torch.bool)
+        for h in range(hq):
+            scores = q[a:b, h].double() @ keys[:, h // g].T * scale
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            keep = torch.zeros(q_len, n, dtype=torch.bool)
+            for qt in range(-(-q_len // TILE_Q)):
+                r0, r1 = qt * TILE_Q, min(q_len, (qt + 1) * TILE_Q)
+                last = (int(qpos[r1 - 1]) if causal else n - 1) // TILE_K
+                m = torch.full((r1 - r0,), float("-inf"), dtype=torch.float64)
+                for t in range(last + 1):
+                    c0, c1 = t * TILE_K, min(n, (t + 1) * TILE_K)
+                    tmax = scores[r0:r1, c0:c1].amax(1)
+                    visited[h] += 1
+                    ratio = torch.exp(tmax - m).max().item() if t > 0 else math.inf
+                    for j, thr in enumerate(thresholds):
+                        per_thr[j, h] += ratio < thr
+                    if ratio < lam:
+                        skipped[h] += 1
+                    else:
+                        keep[r0:r1, c0:c1] = True
+                    m = torch.maximum(m, tmax)
+            p = scores.masked_fill(~keep, float("-inf")).softmax(-1)
+            out[a:b, h] = p @ vals[:, h // g]
+    return out, skipped, visited, per_thr
+
+
+# --------------------------------------------------------------------------- cases
+
+CASES = {
+    # name: (kv_lens, q_lens, Hq, Hkv, D, page)
+    "prefill-1seq-gqa1-page16": ([200], [200], 2, 2, 32, 16),
+    "mixed-ragged-gqa2-page16": ([300, 5, 77, 130, 64], [1, 5, 77, 70, 64], 4, 2, 32, 16),
+    "chunked-prefill-gqa4-page32": ([333], [150], 4, 1, 16, 32),
+    "decode-ragged-mqa-page16": ([1, 65, 128, 700], [1, 1, 1, 1], 4, 1, 16, 16),
+    "mixed-gqa4-page7-fallback": ([150, 129, 3], [129, 1, 3], 8, 2, 16, 7),
+    "prefill-gqa2-page128-split": ([290, 40], [100, 40], 4, 2, 16, 128),
+}
+LAYOUTS = ["contiguous", "dim_major_k", "packed_kv", "kv_interleaved_blocks"]
+
+
+def _run(batch, **kw):
+    q, k, v, bt, sl, qsl = batch
+    return paged_attention(q, k, v, bt, sl, qsl, impl="torch", **kw)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_dense_matches_reference(case, layout):
+    kv_lens, q_lens, hq, hkv, d, page = CASES[case]
+    batch = make_batch(kv_lens, q_lens, hq, hkv, d, page, layout=layout)
+    scale = d ** -0.5
+    ref = reference(*batch, scale)[0]
+    out = _run(batch, scale=scale)
+    assert out.dtype == torch.float32 and not out.isnan().any()
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(_run(batch, scale=scale, threshold=0.0), out, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("gqa", [1, 2, 4, 8], ids=["gqa1", "gqa2", "gqa4", "mqa8"])
+def test_dense_gqa_ratios(gqa):
+    batch = make_batch([190, 64, 1], [70, 64, 1], 8, 8 // gqa, 16, 16, seed=gqa)
+    ref = reference(*batch, 0.3)[0]
+    torch.testing.assert_close(_run(batch, scale=0.3).double(), ref, atol=2e-5, rtol=1e-5)
+
+
+def test_non_causal_matches_reference():
+    batch = make_batch([300, 70], [100, 70], 4, 2, 16, 16)
+    ref, sk, vis, _ = reference(*batch, 0.25, lam=0.3, causal=False)
+    out, sk2, vis2 = _run(batch, scale=0.25, threshold=0.3, causal=False, return_counts=True)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
+    assert sk2.tolist() == sk.tolist() and vis2.tolist() == vis.tolist()
+
+
+@pytest.mark.parametrize("lam", [1e-3, 0.05, 0.3, 0.9], ids=lambda x: f"lambda={x}")
+@pytest.mark.parametrize("case", ["mixed-ragged-gqa2-page16", "chunked-prefill-gqa4-page32",
+                                  "decode-ragged-mqa-page16", "mixed-gqa4-page7-fallback",
+                                  "prefill-gqa2-page128-split"])
+@pytest.mark.parametrize("sink", [False, True], ids=["random", "sink"])
+def test_sparse_matches_bruteforce(case, lam, sink):
+    kv_lens, q_lens, hq, hkv, d, page = CASES[case]
+    batch = make_batch(kv_lens, q_lens, hq, hkv, d, page, layout="dim_major_k", seed=3)
+    if sink:
+        batch = add_sink(batch)
+    scale = 2.0 * d ** -0.5  # peakier scores so that tiles get skipped
+    ref, skipped, visited, _ = reference(*batch, scale, lam=lam)
+    out, sk, vis = _run(batch, scale=scale, threshold=lam, return_counts=True)
+    assert sk.dtype == torch.int64 and vis.dtype == torch.int64 and sk.shape == (hq,)
+    assert vis.tolist() == visited.tolist()
+    assert sk.tolist() == skipped.tolist()
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
+
+
+def test_sparse_actually_skips():
+    batch = make_batch([700], [1], 4, 1, 16, 16, seed=5)
+    _, sk, vis = _run(batch, scale=1.0, threshold=0.5, return_counts=True)
+    assert (sk > 0).all() and (sk < vis).all()
+
+
+def test_counting_mode_matches_bruteforce_and_serving():
+    kv_lens, q_lens, hq, hkv, d, page = CASES["mixed-ragged-gqa2-page16"]
+    batch = add_sink(make_batch(kv_lens, q_lens, hq, hkv, d, page, seed=7))
+    scale = 2.0 * d ** -0.5
+    lams = [0.0, 1e-4, 1e-2, 0.1, 0.5, 1.0, 3.0]
+    ref, _, visited, per_thr = reference(*batch, scale, thresholds=lams)
+    out, skipped, vis = paged_attention_counts(*batch, torch.tensor(lams), scale=scale, impl="torch")
+    assert skipped.shape == (len(lams), hq) and skipped.dtype == torch.int64
+    assert skipped.tolist() == per_thr.tolist()
+    assert vis.tolist() == visited.tolist()
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
+    for j, lam in enumerate(lams):  # calibration predicts serving sparsity exactly
+        _, sk, _ = _run(batch, scale=scale, threshold=lam, return_counts=True)
+        assert sk.tolist() == skipped[j].tolist()
+
+
+def test_error_grows_monotonically_with_lambda():
+    batch = add_sink(make_batch([900, 400], [130, 1], 4, 2, 32, 16, seed=11), 2.0)
+    scale = 1.5 * 32 ** -0.5
+    dense = _run(batch, scale=scale).double()
+    errs, skips = [], []
+    for lam in [0.0, 1e-3, 1e-2, 0.05, 0.2, 0.5, 1.0]:
+        out, sk, _ = _run(batch, scale=scale, threshold=lam, return_counts=True)
+        errs.append((out.double() - dense).abs().mean().item())
+        skips.append(int(sk.sum()))
+    assert errs[0] == 0.0 and skips[0] == 0
+    assert skips == sorted(skips) and skips[-1] > 0
+    assert all(b >= a for a, b in zip(errs, errs[1:])), errs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_precision_inputs(dtype):
+    batch = make_batch([150, 40], [60, 1], 4, 2, 32, 16, dtype=dtype, layout="packed_kv")
+    ref = reference(*batch, 32 ** -0.5)[0]
+    out = _run(batch, scale=32 ** -0.5)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    out_s, sk, _ = _run(batch, scale=32 ** -0.5, threshold=0.2, return_counts=True)
+    assert out_s.dtype == dtype and not out_s.isnan().any()
+
+
+def test_empty_and_zero_length_sequences():
+    # kv 0 / q 0, kv > 0 / q 0 (no query this step), then a normal decode.
+    batch = make_batch([0, 50, 30], [0, 0, 1], 2, 1, 16, 16)
+    out, sk, vis = _run(batch, scale=0.25, threshold=0.5, return_counts=True)
+    assert out.shape == (1, 2, 16) and not out.isnan().any()
+    torch.testing.assert_close(out.double(), reference(*batch, 0.25, lam=0.5)[0], atol=2e-5, rtol=1e-5)
+    empty = make_batch([0, 0], [0, 0], 2, 1, 16, 16)
+    out, sk, vis = _run(empty, scale=0.25, return_counts=True)
+    assert out.shape == (0, 2, 16) and sk.tolist() == [0, 0] and vis.tolist() == [0, 0]
+    out, skipped, vis = paged_attention_counts(*empty, [0.1, 0.2], scale=0.25, impl="torch")
+    assert skipped.shape == (2, 2)
+
+
+def test_out_buffer_is_filled():
+    batch = make_batch([100], [10], 2, 1, 16, 16)
+    buf = torch.full_like(batch[0], float("nan"))
+    res = _run(batch, scale=0.25, out=buf)
+    assert res is buf and not buf.isnan().any()
+    torch.testing.assert_close(buf, _run(batch, scale=0.25))
+
+
+def test_tile_geometry_is_exported():
+    assert TILE_Q >= 1 and TILE_K >= 1
+
+
+# --------------------------------------------------------------------------- validation
+
+def _bad_inputs():
+    def base():
+        return list(make_batch([40, 20], [5, 1], 4, 2, 16, 16)), {"scale": 0.25}
+
+    def mutate(fn):
+        args, kw = base()
+        fn(args, kw)
+        return args, kw
+
+    def set_arg(i, value):
+        return lambda a, kw: a.__setitem__(i, value(a) if callable(value) else value)
+
+    return {
+        "head-size-mismatch": mutate(set_arg(0, lambda a: torch.randn(6, 4, 8))),
+        "hq-not-multiple-of-hkv": mutate(set_arg(0, lambda a: torch.randn(6, 3, 16))),
+        "block-id-out-of-range": mutate(lambda a, kw: a[3].__setitem__((0, 1), 10_000)),
+        "block-id-negative": mutate(lambda a, kw: a[3].__setitem__((1, 0), -1)),
+        "block-table-too-narrow": mutate(set_arg(3, lambda a: a[3][:, :1])),
+        "negative-seq-len": mutate(lambda a, kw: a[4].__setitem__(1, -1)),
+        "q-len-exceeds-kv-len": mutate(set_arg(4, lambda a: torch.tensor([4, 20], dtype=torch.int32))),
+        "query-start-loc-wrong-total": mutate(set_arg(5, lambda a: torch.tensor([0, 5, 7], dtype=torch.int32))),
+        "query-start-loc-decreasing": mutate(set_arg(5, lambda a: torch.tensor([0, 7, 6], dtype=torch.int32))),
+        "query-start-loc-wrong-length": mutate(set_arg(5, lambda a: torch.tensor([0, 6], dtype=torch.int32))),
+        "lambda-negative": mutate(lambda a, kw: kw.update(threshold=-0.1)),
+        "lambda-nan": mutate(lambda a, kw: kw.update(threshold=float("nan"))),
+        "kv-dtype-mismatch": mutate(set_arg(1, lambda a: a[1].to(torch.float16))),
+        "query-dtype-int": mutate(set_arg(0, lambda a: a[0].to(torch.int32))),
+        "block-table-float": mutate(set_arg(3, lambda a: a[3].float())),
+        "k-v-shape-mismatch": mutate(set_arg(2, lambda a: a[2][:, :, :1])),
+        "out-wrong-shape": mutate(lambda a, kw: kw.update(out=torch.empty(5, 4, 16))),
+        "bad-impl": mutate(lambda a, kw: kw.update(impl="cuda-magic")),
+    }
+
+
+BAD = _bad_inputs()
+
+
+@pytest.mark.parametrize("name", list(BAD), ids=list(BAD))
+def test_bad_input_raises_value_error(name):
+    args, kw = BAD[name]
+    kw = {"impl": "torch", **kw}
+    with pytest.raises(ValueError, match="paged_attention"):
+        paged_attention(*args, **kw)
+
+
+@pytest.mark.parametrize("thresholds", [[0.1, -1.0], [float("nan")], torch.ones(2, 2)],
+                         ids=["negative", "nan", "not-1d"])
+def test_bad_counting_thresholds_raise(thresholds):
+    batch = make_batch([40], [5], 2, 1, 16, 16)
+    with pytest.raises(ValueError, match="threshold"):
+        paged_attention_counts(*batch, thresholds, scale=0.25, impl="torch")

@@ -1,0 +1,83 @@
+"""The Triton kernel, run by Triton's interpreter on CPU, against the torch implementation.
+
+TRITON_INTERPRET must be set before triton (and the kernel module) is imported; shapes
+are tiny because the interpreter executes every program in Python.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from sparse_attn.kernels import paged_attention, paged_attention_counts  # noqa: E402
+
+from .test_kernels import add_sink, make_batch  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+    pytest.skip("needs TRITON_INTERPRET=1 or a GPU", allow_module_level=True)
+
+CASES = {
+    # name: (kv_lens, q_lens, Hq, Hkv, D, page, layout)
+    "mixed-gqa2-page16": ([150, 5, 70], [70, 1, 70], 4, 2, 16, 16, "contiguous"),
+    "chunked-prefill-mqa-page7-dimmajor": ([140], [66], 2, 1, 16, 7, "dim_major_k"),
+    "decode-gqa1-packed-d24": ([130, 1, 64], [1, 1, 1], 2, 2, 24, 16, "packed_kv"),
+}
+
+
+def _both(batch, **kw):
+    out_t = paged_attention(*batch, impl="triton", **kw)
+    out_c = paged_attention(*batch, impl="torch", **kw)
+    return out_t, out_c
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_triton_matches_torch(case):
+    kv_lens, q_lens, hq, hkv, d, page, layout = CASES[case]
+    batch = add_sink(make_batch(kv_lens, q_lens, hq, hkv, d, page, layout=layout, seed=1))
+    scale = 2.0 * d ** -0.5
+    dense_t, dense_c = _both(batch, scale=scale)
+    assert not dense_t.isnan().any()
+    torch.testing.assert_close(dense_t, dense_c, atol=1e-5, rtol=1e-5)
+    lams = [0.0, 0.05, 0.5]
+    out_t, sk_t, vis_t = paged_attention_counts(*batch, lams, scale=scale, impl="triton")
+    out_c, sk_c, vis_c = paged_attention_counts(*batch, lams, scale=scale, impl="torch")
+    torch.testing.assert_close(out_t, out_c, atol=1e-5, rtol=1e-5)
+    assert sk_t.tolist() == sk_c.tolist() and vis_t.tolist() == vis_c.tolist()
+    (o_t, s_t, v_t), (o_c, s_c, v_c) = _both(batch, scale=scale, threshold=0.5, return_counts=True)
+    torch.testing.assert_close(o_t, o_c, atol=1e-5, rtol=1e-5)
+    assert s_t.tolist() == s_c.tolist() == sk_c[2].tolist() and v_t.tolist() == v_c.tolist()
+
+
+def test_triton_non_causal_and_bf16():
+    batch = make_batch([100, 30], [40, 1], 2, 1, 16, 16, dtype=torch.bfloat16, seed=2)
+    (o_t, s_t, _), (o_c, s_c, _) = _both(batch, scale=0.5, threshold=0.3, causal=False, return_counts=True)
+    assert o_t.dtype == torch.bfloat16
+    torch.testing.assert_close(o_t.float(), o_c.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_triton_empty_sequences_no_nan():
+    batch = make_batch([0, 40, 20], [0, 0, 1], 2, 1, 16, 16)
+    out_t, out_c = _both(batch, scale=0.25, threshold=0.1)
+    assert not out_t.isnan().any()
+    torch.testing.assert_close(out_t, out_c, atol=1e-5, rtol=1e-5)
+
+
+def test_threshold_is_a_runtime_argument():
+    """lambda must not be a constexpr: a new value would otherwise compile a new kernel."""
+    import inspect
+
+    from sparse_attn.kernels import triton_impl
+
+    params = inspect.signature(triton_impl._paged_attn_kernel.fn).parameters
+
+    def constexpr(name):
+        return "constexpr" in str(params[name].annotation)
+
+    assert constexpr("CAUSAL") and constexpr("BLOCK_N")
+    assert not constexpr("lam") and not constexpr("THRESH") and not constexpr("scale")
