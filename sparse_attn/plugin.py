@@ -1,0 +1,158 @@
+"""The ``vllm.general_plugins`` entry point: installs sparse attention in every
+vLLM worker right after it loads the model.
+
+vLLM calls ``register()`` once in each of its processes (API server, engine
+core, workers; ``VLLM_PLUGINS`` still filters it). ``register`` only hooks the
+end of model loading (``compat.runtime.on_model_loaded``); the install itself
+runs in worker processes, reads ``sparse_attention_config`` from the
+checkpoint's ``config.json`` and replaces each matching attention layer's impl.
+Without a config, vLLM stays untouched and one log line says so.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+import compat
+from compat import envs, runtime
+from sparse_attn.adapter import Policy, make_sparse
+from sparse_attn.config import SparseAttentionConfig, load_from_checkpoint
+from sparse_attn.stats import STATS
+
+logger = logging.getLogger("sparse_attn")
+
+#: Set by ``sparse-attn calibrate`` before it starts the engine: a JSON list of
+#: candidate scale factors. Workers inherit it and run in counting mode.
+CALIBRATION_ENV = "SPARSE_ATTN_CALIBRATION_SCALES"
+#: Worker method name: ``llm.collective_rpc(STATS_RPC)`` -> one dict per worker;
+#: ``kwargs={"reset": True}`` also zeroes the counters.
+STATS_RPC = "sparse_attn_stats"
+
+
+class SparseAttentionStartupError(RuntimeError):
+    """The checkpoint asks for sparse attention that cannot be installed (strict mode, bad config)."""
+
+
+def register() -> None:
+    """Entry point; must stay cheap and must not raise for unrelated processes."""
+    _log_to_stderr()
+    if envs.get("SPARSE_ATTN_DISABLE"):
+        logger.info("sparse-attn: SPARSE_ATTN_DISABLE=1, vLLM attention left native")
+        return
+    compat.probe()  # a bad override fails start-up here, with its fix
+    runtime.on_model_loaded(install_in_worker)
+    runtime.add_worker_rpc(STATS_RPC, sparsity_stats)
+
+
+def _log_to_stderr() -> None:
+    # vLLM configures only its own "vllm" logger; without a handler our INFO
+    # lines (the per-worker install report) would be dropped.
+    for name in ("sparse_attn", "compat"):
+        log = logging.getLogger(name)
+        if not log.handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("(pid=%(process)d) %(levelname)s %(asctime)s [%(name)s] %(message)s", "%m-%d %H:%M:%S"))
+            log.addHandler(handler)
+            log.setLevel(logging.INFO)
+            log.propagate = False
+
+
+def _calibration_scales() -> tuple[float, ...] | None:
+    raw = os.environ.get(CALIBRATION_ENV)
+    if not raw:
+        return None
+    return tuple(float(x) for x in json.loads(raw))
+
+
+def install_in_worker(worker: Any) -> dict:
+    """Replace the impl of every attention layer the checkpoint's config targets.
+    Returns (and logs) the worker's install report."""
+    checkpoint = runtime.worker_checkpoint(worker)
+    scales = _calibration_scales()
+    config = load_from_checkpoint(checkpoint) if os.path.isdir(checkpoint) else None
+    if config is None and scales is None:
+        logger.info("sparse-attn: %s has no sparse_attention_config in config.json; vLLM attention left native", checkpoint)
+        return {"installed": 0, "reason": "no sparse_attention_config"}
+    for phase in (config.missing_phases if config else ()):
+        logger.warning("sparse-attn: no calibrated threshold for the %s phase; it runs dense", phase)
+    policy = Policy(
+        threshold=(config.threshold if config else (lambda phase, kv_len: None)),
+        calibration_scales=scales,
+        stats_interval_s=envs.get("SPARSE_ATTN_STATS_INTERVAL_S"),
+    )
+    return install(runtime.worker_model(worker), config, policy, rank=runtime.worker_rank(worker))
+
+
+def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, rank: int = 0) -> dict:
+    strict = envs.get("SPARSE_ATTN_STRICT")
+    report = compat.probe()
+    installed, native, backends, owners = 0, {}, set(), set()
+    layers = list(runtime.attention_layers(model))
+    for layer, info in layers:
+        if config is not None and not config.matches(info.name, [info.owner_class, type(layer).__name__]):
+            native[info.name] = "not targeted by the config"
+            continue
+        reason = _unsupported_reason(info, report)
+        if reason:
+            native[info.name] = reason
+            continue
+        if info.backend == "FLASHINFER":
+            runtime.capture_batches(layer.attn_backend)
+        layer.impl = make_sparse(layer.impl, info, policy)
+        installed += 1
+        backends.add(info.backend)
+        owners.add(info.owner_class)
+    STATS.layers_installed, STATS.layers_total = installed, len(layers)
+    STATS.owner_classes = tuple(sorted(owners))
+    problems = {name: why for name, why in native.items() if why != "not targeted by the config"}
+    if strict and problems:
+        raise SparseAttentionStartupError(
+            f"SPARSE_ATTN_STRICT=1 and {len(problems)} attention layer(s) cannot run sparse: "
+            + "; ".join(f"{n}: {w}" for n, w in sorted(problems.items())[:8])
+            + ". Fix: unset SPARSE_ATTN_STRICT to serve them natively, or list them in the config's `ignore`."
+        )
+    reasons: dict[str, int] = {}
+    for why in native.values():
+        reasons[why] = reasons.get(why, 0) + 1
+    entry = {b: report.backends[b] for b in backends if b in report.backends}
+    summary = {
+        "rank": rank,
+        "installed": installed,
+        "total": len(layers),
+        "backends": sorted(backends),
+        "layout": {b: (e.layout.value if e.layout else None) for b, e in entry.items()},
+        "cache_writer": {b: e.writer for b, e in entry.items()},
+        "mode": "calibration (counting, dense outputs)" if policy.calibration_scales else "serving",
+        "targets": list(config.group.targets) if config else ["all (calibration)"],
+        "native": reasons,
+    }
+    logger.info(
+        "sparse-attn[rank %d]: %d/%d attention layers sparse, backend %s, layout %s, cache writer %s, mode %s, targets %s%s",
+        rank, installed, len(layers), ",".join(summary["backends"]) or "-", summary["layout"], summary["cache_writer"],
+        summary["mode"], summary["targets"], f", native: {reasons}" if reasons else "",
+    )
+    return summary
+
+
+def _unsupported_reason(info: runtime.LayerInfo, report: compat.CompatReport) -> str | None:
+    if info.unsupported:
+        return ", ".join(info.unsupported)
+    entry = report.backends.get(info.backend)
+    if entry is None:
+        return f"backend {info.backend} is not served (served: {', '.join(report.backends)})"
+    if entry.layout is None:
+        return f"backend {info.backend}: no known KV-cache layout ({entry.import_error or entry.layout_detail})"
+    if info.num_heads % info.num_kv_heads:
+        return f"{info.num_heads} query heads are not a multiple of {info.num_kv_heads} KV heads"
+    return None
+
+
+def sparsity_stats(worker: Any = None, reset: bool = False) -> dict:
+    """Worker RPC ``sparse_attn_stats``: this worker's integer counters (and
+    zero them with ``reset=True``). Sum them across workers before any ratio."""
+    snap = STATS.snapshot(reset=reset)
+    snap["rank"] = runtime.worker_rank(worker) if worker is not None else 0
+    return snap

