@@ -21,7 +21,8 @@ import time
 import torch
 
 import compat
-from compat import envs, probe as probe_module
+from compat import envs
+from compat.probe import run_probe
 
 B, N, H, D = 256, 16, 8, 128
 
@@ -83,7 +84,7 @@ def main() -> None:
     for _ in range(20):
         envs.reset_for_tests()
         start = time.perf_counter()
-        probe_module.run_probe()
+        run_probe()
         times.append((time.perf_counter() - start) * 1e3)
     print(f"\nprobe cost after vLLM's backend modules are imported: median {statistics.median(times):.2f} ms, max {max(times):.2f} ms (20 runs)")
 
