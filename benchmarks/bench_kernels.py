@@ -13,7 +13,11 @@ local window (rotary-style position features), topical segments the query heads 
 group find relevant to different degrees, and noise.  Lambdas are calibrated with
 ``paged_attention_counts`` on the same inputs, and the measured sparsity is printed.
 
-Prints a markdown table.  Example: ``python benchmarks/bench_kernels.py --repeats 3``.
+The ``small-*`` cases use the serving adapter's sizes (Hq 4, Hkv 2, D 32: a tiny model
+called per layer per step) and measure per-call time, Python overhead included.
+
+Prints a markdown table (with the 1-minute load average at start: this machine is
+shared).  Example: ``python benchmarks/bench_kernels.py --repeats 3``.
 """
 
 from __future__ import annotations
@@ -42,9 +46,9 @@ RHO = 2.5     # position feature amplitude (local window height)
 SINK = 4.0    # every head's affinity for the sink tokens
 
 
-def _features(pos: torch.Tensor, rho: float) -> torch.Tensor:
-    """Position features ``[n, 2 * len(_PERIODS)]``; their dot product peaks at equal positions."""
-    w = 2 * math.pi / torch.tensor(_PERIODS, dtype=torch.float64)
+def _features(pos: torch.Tensor, rho: float, periods=_PERIODS) -> torch.Tensor:
+    """Position features ``[n, 2 * len(periods)]``; their dot product peaks at equal positions."""
+    w = 2 * math.pi / torch.tensor(periods, dtype=torch.float64)
     ang = pos.double()[:, None] * w[None, :]
     return (torch.cat([ang.cos(), ang.sin()], -1) * rho).float()
 
@@ -56,8 +60,11 @@ def make_inputs(n_seqs, kv_len, q_len, hq, hkv, d, page, dtype, device, seed=0):
     block_table [S, blocks/seq] int32, seq_lens [S] int32, query_start_loc [S+1] int32)``.
     """
     g = torch.Generator().manual_seed(seed)
-    n_pos = 2 * len(_PERIODS)
-    n_noise = d - _N_TOPICS - n_pos
+    # Small head sizes (the serving-overhead cases) get fewer topics and periods.
+    n_topics = min(_N_TOPICS, d // 2)
+    periods = _PERIODS[:min(len(_PERIODS), max(1, d // 8))]
+    n_pos = 2 * len(periods)
+    n_noise = d - n_topics - n_pos
     assert n_noise > 0, "head_dim too small for the synthetic feature layout"
     blocks_per_seq = -(-kv_len // page)
     n_blocks = n_seqs * blocks_per_seq
@@ -70,20 +77,20 @@ def make_inputs(n_seqs, kv_len, q_len, hq, hkv, d, page, dtype, device, seed=0):
     for s in range(n_seqs):
         keys = torch.empty(kv_len, hkv, d)
         keys[..., :n_noise] = torch.randn(kv_len, hkv, n_noise, generator=g)
-        topic = torch.randint(1, _N_TOPICS, (kv_len // _SEGMENT + 1, hkv), generator=g)
+        topic = torch.randint(1, n_topics, (kv_len // _SEGMENT + 1, hkv), generator=g)
         tok_topic = topic[kpos // _SEGMENT]
         tok_topic[:_N_SINK] = 0
-        keys[..., n_noise:n_noise + _N_TOPICS] = torch.nn.functional.one_hot(tok_topic, _N_TOPICS) * KAP
-        keys[..., n_noise + _N_TOPICS:] = _features(kpos, RHO)[:, None, :]
+        keys[..., n_noise:n_noise + n_topics] = torch.nn.functional.one_hot(tok_topic, n_topics) * KAP
+        keys[..., n_noise + n_topics:] = _features(kpos, RHO, periods)[:, None, :]
         qpos = torch.arange(kv_len - q_len, kv_len)
         q = torch.empty(q_len, hq, d)
         q[..., :n_noise] = torch.randn(q_len, hq, n_noise, generator=g) * QN
         # Heads of one KV group share most of their topic affinities.
-        base = torch.randn(hkv, _N_TOPICS, generator=g).repeat_interleave(hq // hkv, 0)
-        aff = base * 0.9 + 0.35 * torch.randn(hq, _N_TOPICS, generator=g)
+        base = torch.randn(hkv, n_topics, generator=g).repeat_interleave(hq // hkv, 0)
+        aff = base * 0.9 + 0.35 * torch.randn(hq, n_topics, generator=g)
         aff[:, 0] = SINK
-        q[..., n_noise:n_noise + _N_TOPICS] = aff[None]
-        q[..., n_noise + _N_TOPICS:] = _features(qpos, RHO)[:, None, :]
+        q[..., n_noise:n_noise + n_topics] = aff[None]
+        q[..., n_noise + n_topics:] = _features(qpos, RHO, periods)[:, None, :]
         queries.append(q)
         flat = block_table[s].long()[kpos // page]
         kc[flat, kpos % page] = keys
@@ -165,13 +172,13 @@ def flashinfer_fn(args, q_len, scale):
 
 
 def run(cfg, a):
-    name, n_seqs, kv_len, q_len = cfg
+    name, n_seqs, kv_len, q_len, hq, hkv, head_dim = cfg
     device = a.device
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype]
     impl = "torch" if device == "cpu" else "triton"
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    args = make_inputs(n_seqs, kv_len, q_len, a.hq, a.hkv, a.head_dim, a.page_size, dtype, device)
-    scale = 1 / math.sqrt(a.head_dim)
+    args = make_inputs(n_seqs, kv_len, q_len, hq, hkv, head_dim, a.page_size, dtype, device)
+    scale = 1 / math.sqrt(head_dim)
     picks, grid, frac = calibrate(args, scale, (0.5, 0.75), impl)
     q, k, v = gathered(args, q_len)
     fns = [lambda: paged_attention(*args, scale=scale, threshold=0.0, impl=impl),
@@ -188,7 +195,7 @@ def run(cfg, a):
     for j, i in enumerate(picks):
         lam = grid[i]
         err = (paged_attention(*args, scale=scale, threshold=lam, impl=impl).float() - ref).abs().max().item()
-        rows.append((name, n_seqs, kv_len, q_len, f"{lam:.2e}", f"{frac[i]:.1%}", t_dense, times[2 + j], t_sdpa,
+        rows.append((name, n_seqs, kv_len, q_len, f"{hq}/{hkv}/{head_dim}", f"{lam:.2e}", f"{frac[i]:.1%}", t_dense, times[2 + j], t_sdpa,
                      t_fi, err))
     return rows
 
@@ -207,26 +214,32 @@ def main(argv=None):
                    help="query length of the 16k prefill (a chunked-prefill suffix; 16384 = full prefill)")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per entry (best is reported)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
-    p.add_argument("--only", default="", help="comma-separated subset of: prefill-4k,prefill-16k,decode-4k,decode-16k")
+    p.add_argument("--only", default="",
+                   help="comma-separated subset of: prefill-4k,prefill-16k,decode-4k,decode-16k,"
+                        "small-decode,small-prefill")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    cfgs = [("prefill-4k", 1, 4096, 4096), ("prefill-16k", 1, 16384, a.prefill_16k_q),
-            ("decode-4k", a.decode_batch, 4096, 1), ("decode-16k", a.decode_batch, 16384, 1)]
+    dims = (a.hq, a.hkv, a.head_dim)
+    cfgs = [("prefill-4k", 1, 4096, 4096, *dims), ("prefill-16k", 1, 16384, a.prefill_16k_q, *dims),
+            ("decode-4k", a.decode_batch, 4096, 1, *dims), ("decode-16k", a.decode_batch, 16384, 1, *dims),
+            # Per-call overhead at the sizes the CPU serving adapter sees (tiny model, per layer per step).
+            ("small-decode", 16, 512, 1, 4, 2, 32), ("small-prefill", 1, 2048, 2048, 4, 2, 32)]
     if a.only:
         keep = set(a.only.split(","))
         cfgs = [c for c in cfgs if c[0] in keep]
     other = "flashinfer ms" if a.device == "cuda" else ""
-    print(f"device={a.device} dtype={a.dtype} Hq={a.hq} Hkv={a.hkv} D={a.head_dim} page={a.page_size} "
-          f"TILE_Q={TILE_Q} TILE_K={TILE_K} threads={torch.get_num_threads()}\n")
-    head = ["case", "seqs", "kv", "q", "lambda", "tile sparsity", "dense ms", "skip ms", "speedup",
+    print(f"device={a.device} dtype={a.dtype} page={a.page_size} TILE_Q={TILE_Q} TILE_K={TILE_K} "
+          f"threads={torch.get_num_threads()} load={os.getloadavg()[0]:.1f}\n")
+    head = ["case", "seqs", "kv", "q", "Hq/Hkv/D", "lambda", "tile sparsity", "dense ms", "skip ms", "speedup",
             "SDPA ms", "dense/SDPA", "max abs err"] + ([other] if other else [])
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for cfg in cfgs:
-        for (name, n, kv, q, lam, sp, td, ts, tsd, tfi, err) in run(cfg, a):
-            cells = [name, n, kv, q, lam, sp, f"{td * 1e3:.1f}", f"{ts * 1e3:.1f}", f"{td / ts:.2f}x",
-                     f"{tsd * 1e3:.1f}", f"{td / tsd:.2f}x", f"{err:.1e}"]
+        for (name, n, kv, q, dims_s, lam, sp, td, ts, tsd, tfi, err) in run(cfg, a):
+            ms = (lambda t: f"{t * 1e3:.2f}") if td < 0.02 else (lambda t: f"{t * 1e3:.1f}")
+            cells = [name, n, kv, q, dims_s, lam, sp, ms(td), ms(ts), f"{td / ts:.2f}x",
+                     ms(tsd), f"{td / tsd:.2f}x", f"{err:.1e}"]
             if other:
                 cells.append(f"{tfi * 1e3:.2f}" if tfi else "n/a")
             print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)

@@ -87,13 +87,71 @@ def check_threshold(value, name: str = "threshold") -> float:
     return lam
 
 
-def check_thresholds(values: Sequence[float] | torch.Tensor) -> list[float]:
-    """Validate a 1-D list/tensor of candidate lambdas for counting mode."""
+def _as_float_list(values, name: str) -> list[float]:
+    """Each element of a 1-D list/tuple/tensor checked by :func:`check_threshold`."""
     if isinstance(values, torch.Tensor):
-        if values.dim() != 1:
-            _fail("thresholds must be 1-D", tuple(values.shape), "shape [num_thresholds]")
+        if values.is_floating_point() or values.dtype in _INDEX_DTYPES:
+            vals = values.detach().double().cpu()
+            if bool(torch.isfinite(vals).all()) and bool((vals >= 0).all()):
+                return vals.tolist()
         values = values.tolist()
-    return [check_threshold(v, f"thresholds[{i}]") for i, v in enumerate(values)]
+    return [check_threshold(v, f"{name}[{i}]") for i, v in enumerate(values)]
+
+
+def _shape_of(values) -> tuple[int, ...]:
+    if isinstance(values, torch.Tensor):
+        return tuple(values.shape)
+    if isinstance(values, (list, tuple)):
+        if values and all(isinstance(v, (list, tuple, torch.Tensor)) for v in values):
+            inner = {len(v) if not isinstance(v, torch.Tensor) else tuple(v.shape) for v in values}
+            return (len(values), next(iter(inner))) if len(inner) == 1 and isinstance(next(iter(inner)), int) \
+                else (len(values), -1)
+        return (len(values),)
+    return ()
+
+
+def check_seq_threshold(value, num_seqs: int, name: str = "threshold") -> float | torch.Tensor:
+    """Serving lambda: ``None`` / a number / a 0-d tensor -> one float for every sequence,
+    or a 1-D list/tensor of ``num_seqs`` lambdas (one per sequence) -> float32 ``[S]`` CPU tensor.
+
+    Every lambda must be finite and >= 0; a per-sequence 0 means dense for that sequence.
+    """
+    if value is None or isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.dim() == 0):
+        return check_threshold(value, name)
+    shape = _shape_of(value)
+    if len(shape) != 1:
+        _fail(f"{name} must be a number or 1-D (one lambda per sequence)", shape,
+              f"a float or shape [num_seqs] = [{num_seqs}]")
+    if shape[0] != num_seqs:
+        _fail(f"{name} has one lambda per sequence but the wrong length", shape[0],
+              f"num_seqs = {num_seqs}")
+    return torch.tensor(_as_float_list(value, name), dtype=torch.float32)
+
+
+def check_thresholds(values: Sequence[float] | torch.Tensor, num_seqs: int | None = None) -> torch.Tensor:
+    """Candidate lambdas for counting mode, as a float32 ``[n, S]`` CPU tensor.
+
+    ``values`` is 1-D (``n`` candidates, the same for every sequence) or 2-D ``[n, S]``
+    (candidate ``j``'s lambda for sequence ``s``).  With ``num_seqs=None`` only 1-D input
+    is accepted and the result is ``[n, 1]``.
+    """
+    shape = _shape_of(values)
+    if len(shape) == 1:
+        lams = torch.tensor(_as_float_list(values, "thresholds"), dtype=torch.float32)
+        return lams[:, None].expand(-1, num_seqs if num_seqs is not None else 1)
+    expected = "shape [num_thresholds]" + (f" or [num_thresholds, num_seqs={num_seqs}]" if num_seqs is not None else "")
+    if len(shape) != 2 or num_seqs is None:
+        _fail("thresholds must be 1-D or 2-D", shape, expected)
+    if shape[1] != num_seqs:
+        _fail("thresholds is 2-D but its second dimension is not the number of sequences", shape, expected)
+    if isinstance(values, torch.Tensor):
+        vals = values.detach().double().cpu()
+        if bool(torch.isfinite(vals).all()) and bool((vals >= 0).all()):
+            return vals.float()
+        values = values.tolist()
+    flat = [check_threshold(v, f"thresholds[{j}][{s}]") for j, row in enumerate(values)
+            for s, v in enumerate(row.tolist() if isinstance(row, torch.Tensor) else row)]
+    return torch.tensor(flat, dtype=torch.float32).view(shape)
 
 
 def validate(

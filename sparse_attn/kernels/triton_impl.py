@@ -5,7 +5,8 @@ reading K and V token by token through the block table with the cache views' str
 (any layout, e.g. dim-major K), and applies the skip rule of
 :mod:`sparse_attn.kernels._common`: two running maxima per row, the dense one (updated
 on every visited tile, drives the skip test) and the exp reference (updated only on
-computed tiles).  Lambda is a runtime fp32 argument, so changing it never recompiles.
+computed tiles).  Lambdas are read from per-sequence fp32 arrays (``lam[seq]`` for
+serving, ``THRESH[seq, :]`` for counting), so changing them never recompiles.
 """
 
 from __future__ import annotations
@@ -64,8 +65,9 @@ def _paged_attn_kernel(
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     offs_t = tl.arange(0, BLOCK_T)
+    lam_s = tl.load(lam + seq)
     if COUNT:
-        thresh = tl.load(THRESH + offs_t, mask=offs_t < num_thresh, other=-1.0)
+        thresh = tl.load(THRESH + seq * BLOCK_T + offs_t, mask=offs_t < num_thresh, other=-1.0)
     skip_cnt = tl.zeros([BLOCK_T], tl.int32)
 
     for t in range(0, n_tiles):
@@ -88,7 +90,7 @@ def _paged_attn_kernel(
         m_dense = tl.maximum(m_dense, tile_max)
         if COUNT:
             skip_cnt += (tile_ratio < thresh).to(tl.int32)
-        if tile_ratio >= lam:
+        if tile_ratio >= lam_s:
             m_new = tl.maximum(m_ref, tile_max)
             alpha = tl.exp(m_ref - m_new)
             p = tl.exp(s - m_new[:, None])
@@ -132,8 +134,8 @@ def forward(
     *,
     scale: float,
     causal: bool,
-    threshold: float,
-    count_thresholds: list[float] | None,
+    threshold: float | torch.Tensor,
+    count_thresholds: torch.Tensor | None,
     out: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Same contract as :func:`sparse_attn.kernels.torch_impl.forward`."""
@@ -146,10 +148,19 @@ def forward(
     tile_row0 = (torch.arange(n_qtiles) - first[tile_seq]) * TILE_Q
     # A smaller row block is the same query tile when every sequence fits in it (decode).
     block_m = min(TILE_Q, max(16, _next_pow2(max(meta.q_lens))))
+    n_seqs = len(meta.seq_lens)
     counting = count_thresholds is not None
-    n_thr = len(count_thresholds) if counting else 0
+    n_thr = count_thresholds.shape[0] if counting else 0
     block_t = max(2, _next_pow2(max(n_thr, 1)))
-    thresh = torch.tensor((count_thresholds or []) + [-1.0] * (block_t - n_thr), dtype=torch.float32, device=dev)
+    # Per-sequence lambdas live in device arrays (pointers): new values never recompile.
+    thresh = torch.full((n_seqs, block_t), -1.0, dtype=torch.float32)
+    if n_thr:
+        thresh[:, :n_thr] = count_thresholds.T
+    thresh = thresh.to(dev)
+    if isinstance(threshold, torch.Tensor):
+        lam = threshold.to(dev, torch.float32)
+    else:
+        lam = torch.full((n_seqs,), threshold, dtype=torch.float32, device=dev)
     skip_cnt = torch.zeros(n_qtiles, hq, block_t, dtype=torch.int32, device=dev)
     vis_cnt = torch.zeros(n_qtiles, hq, dtype=torch.int32, device=dev)
 
@@ -157,7 +168,7 @@ def forward(
         query, key_cache, value_cache, out, block_table, seq_lens, query_start_loc,
         tile_seq.to(dev, torch.int32), tile_row0.to(dev, torch.int32),
         thresh, skip_cnt, vis_cnt,
-        scale, threshold, n_thr, meta.page_size,
+        scale, lam, n_thr, meta.page_size,
         *query.stride(), *key_cache.stride(), *value_cache.stride(), *out.stride(), *block_table.stride(),
         GROUP=meta.group, HEAD_DIM=d, BLOCK_D=max(16, _next_pow2(d)),
         BLOCK_M=block_m, BLOCK_N=TILE_K, BLOCK_T=block_t,

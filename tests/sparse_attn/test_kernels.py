@@ -320,3 +320,104 @@ def test_bad_counting_thresholds_raise(thresholds):
     batch = make_batch([40], [5], 2, 1, 16, 16)
     with pytest.raises(ValueError, match="threshold"):
         paged_attention_counts(*batch, thresholds, scale=0.25, impl="torch")
+
+
+# --------------------------------------------------------------------------- per-sequence lambda
+
+def _seq_alone(batch, s):
+    """Sequence ``s`` of a batch as a batch of its own (same caches, same block ids)."""
+    q, k, v, bt, sl, qsl = batch
+    a, b = int(qsl[s]), int(qsl[s + 1])
+    return q[a:b], k, v, bt[s:s + 1], sl[s:s + 1], torch.tensor([0, b - a], dtype=qsl.dtype)
+
+
+PER_SEQ_CASES = {
+    # kv_lens, q_lens, Hq, Hkv, D, page, per-sequence lambdas (0 = dense for that sequence)
+    "mixed": ([300, 5, 77, 130, 64, 700], [1, 5, 77, 70, 64, 1], 4, 2, 32, 16, [0.3, 0.0, 0.05, 0.5, 0.1, 0.02]),
+    "decode": ([65, 700, 128, 400, 1], [1, 1, 1, 1, 1], 4, 1, 16, 16, [0.5, 0.001, 0.0, 0.2, 0.9]),
+    "chunked-page7": ([333, 150], [150, 129], 4, 2, 16, 7, [0.02, 0.4]),
+}
+
+
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["list", "tensor"])
+@pytest.mark.parametrize("case", list(PER_SEQ_CASES), ids=list(PER_SEQ_CASES))
+def test_per_sequence_lambda_equals_each_sequence_alone(case, as_tensor):
+    kv_lens, q_lens, hq, hkv, d, page, lams = PER_SEQ_CASES[case]
+    batch = add_sink(make_batch(kv_lens, q_lens, hq, hkv, d, page, layout="dim_major_k", seed=13))
+    scale = 2.0 * d ** -0.5
+    thr = torch.tensor(lams) if as_tensor else lams
+    out, sk, vis = _run(batch, scale=scale, threshold=thr, return_counts=True)
+    sk_sum, vis_sum = torch.zeros_like(sk), torch.zeros_like(vis)
+    for s, lam in enumerate(lams):
+        alone = _seq_alone(batch, s)
+        o_s, sk_s, vis_s = _run(alone, scale=scale, threshold=lam, return_counts=True)
+        a, b = int(batch[5][s]), int(batch[5][s + 1])
+        torch.testing.assert_close(out[a:b], o_s, atol=1e-6, rtol=1e-6)
+        ref, ref_sk, ref_vis, _ = reference(*alone, scale, lam=lam)
+        torch.testing.assert_close(out[a:b].double(), ref, atol=2e-5, rtol=1e-5)
+        assert sk_s.tolist() == ref_sk.tolist() and vis_s.tolist() == ref_vis.tolist()
+        sk_sum += sk_s
+        vis_sum += vis_s
+    assert sk.tolist() == sk_sum.tolist() and vis.tolist() == vis_sum.tolist()
+    assert int(sk.sum()) > 0
+    # A per-sequence lambda list whose entries are all equal is the scalar lambda.
+    same = _run(batch, scale=scale, threshold=[0.05] * len(lams), return_counts=True)
+    scalar = _run(batch, scale=scale, threshold=0.05, return_counts=True)
+    torch.testing.assert_close(same[0], scalar[0], atol=0, rtol=0)
+    assert same[1].tolist() == scalar[1].tolist()
+
+
+def test_per_sequence_zero_lambda_is_dense_for_that_sequence():
+    batch = add_sink(make_batch([700, 700], [1, 1], 4, 1, 16, 16, seed=5))
+    out, sk, _ = _run(batch, scale=1.0, threshold=[0.0, 0.5], return_counts=True)
+    dense = _run(batch, scale=1.0)
+    # Sequence 0 is computed densely (up to fp32 summation order: its chunk shares the
+    # sparse P.V path with sequence 1), sequence 1 is not.
+    torch.testing.assert_close(out[0].double(), reference(*_seq_alone(batch, 0), 1.0)[0][0], atol=2e-6, rtol=1e-6)
+    torch.testing.assert_close(out[0], dense[0], atol=1e-6, rtol=1e-6)
+    assert (out[1] - dense[1]).abs().max() > 1e-4
+    _, sk1, _ = _run(_seq_alone(batch, 1), scale=1.0, threshold=0.5, return_counts=True)
+    assert sk.tolist() == sk1.tolist() and int(sk.sum()) > 0
+
+
+def test_counting_mode_per_sequence_candidates():
+    kv_lens, q_lens, hq, hkv, d, page, _ = PER_SEQ_CASES["mixed"]
+    batch = add_sink(make_batch(kv_lens, q_lens, hq, hkv, d, page, seed=7))
+    scale = 2.0 * d ** -0.5
+    n_seqs = len(kv_lens)
+    base = torch.tensor([0.0, 1e-3, 0.05, 0.3, 1.0])
+    # Candidate j for sequence s: base[j] scaled per sequence (as scale / kv_len would be).
+    per_seq = base[:, None] * torch.tensor([1.0, 0.5, 2.0, 1.5, 0.25, 3.0])[None, :]
+    out, skipped, vis = paged_attention_counts(*batch, per_seq, scale=scale, impl="torch")
+    assert skipped.shape == (len(base), hq) and skipped.dtype == torch.int64
+    torch.testing.assert_close(out, _run(batch, scale=scale), atol=0, rtol=0)
+    for j in range(len(base)):
+        expect = torch.zeros(hq, dtype=torch.int64)
+        for s in range(n_seqs):
+            expect += reference(*_seq_alone(batch, s), scale, lam=float(per_seq[j, s]))[1]
+        assert skipped[j].tolist() == expect.tolist()
+        # calibration predicts serving with the same per-sequence lambdas exactly
+        _, sk, v2 = _run(batch, scale=scale, threshold=per_seq[j], return_counts=True)
+        assert sk.tolist() == skipped[j].tolist() and v2.tolist() == vis.tolist()
+    # 1-D candidates are the 2-D candidates broadcast over sequences; nested lists work too.
+    one_d = paged_attention_counts(*batch, base.tolist(), scale=scale, impl="torch")[1]
+    two_d = paged_attention_counts(*batch, base[:, None].expand(-1, n_seqs).tolist(), scale=scale, impl="torch")[1]
+    assert one_d.tolist() == two_d.tolist()
+
+
+@pytest.mark.parametrize("threshold", [[0.1], [0.1, 0.2, 0.3], [0.1, -0.2], [0.1, float("nan")],
+                                       [0.1, float("inf")], torch.ones(2, 1), [[0.1, 0.2]], "abc"],
+                         ids=["too-short", "too-long", "negative", "nan", "inf", "2d-tensor", "2d-list", "str"])
+def test_bad_per_sequence_threshold_raises(threshold):
+    batch = make_batch([40, 20], [5, 1], 4, 2, 16, 16)
+    with pytest.raises(ValueError, match="threshold"):
+        _run(batch, scale=0.25, threshold=threshold)
+
+
+@pytest.mark.parametrize("thresholds", [torch.ones(3, 3), [[0.1, 0.2, 0.3]], [[0.1, -0.2]], [[0.1, float("nan")]],
+                                        torch.ones(2, 2, 2), [[0.1, 0.2], [0.3]]],
+                         ids=["wrong-S-tensor", "wrong-S-list", "negative", "nan", "3d", "ragged"])
+def test_bad_per_sequence_counting_thresholds_raise(thresholds):
+    batch = make_batch([40, 20], [5, 1], 4, 2, 16, 16)
+    with pytest.raises(ValueError, match="threshold"):
+        paged_attention_counts(*batch, thresholds, scale=0.25, impl="torch")

@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 from sparse_attn.kernels import paged_attention, paged_attention_counts  # noqa: E402
 
-from .test_kernels import add_sink, make_batch  # noqa: E402
+from .test_kernels import _seq_alone, add_sink, make_batch  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
     pytest.skip("needs TRITON_INTERPRET=1 or a GPU", allow_module_level=True)
@@ -81,3 +81,32 @@ def test_threshold_is_a_runtime_argument():
 
     assert constexpr("CAUSAL") and constexpr("BLOCK_N")
     assert not constexpr("lam") and not constexpr("THRESH") and not constexpr("scale")
+
+
+def test_triton_per_sequence_lambda_equals_each_sequence_alone():
+    batch = add_sink(make_batch([150, 5, 70, 90], [70, 1, 70, 1], 4, 2, 16, 16, layout="dim_major_k", seed=4))
+    scale = 2.0 * 16 ** -0.5
+    lams = [0.5, 0.0, 0.05, 0.3]
+    out, sk, vis = paged_attention(*batch, scale=scale, threshold=torch.tensor(lams), impl="triton",
+                                   return_counts=True)
+    out_c, sk_c, vis_c = paged_attention(*batch, scale=scale, threshold=lams, impl="torch", return_counts=True)
+    torch.testing.assert_close(out, out_c, atol=1e-5, rtol=1e-5)
+    assert sk.tolist() == sk_c.tolist() and vis.tolist() == vis_c.tolist() and int(sk.sum()) > 0
+    sk_sum, vis_sum = torch.zeros_like(sk), torch.zeros_like(vis)
+    for s, lam in enumerate(lams):
+        o_s, sk_s, vis_s = paged_attention(*_seq_alone(batch, s), scale=scale, threshold=lam, impl="triton",
+                                           return_counts=True)
+        a, b = int(batch[5][s]), int(batch[5][s + 1])
+        torch.testing.assert_close(out[a:b], o_s, atol=0, rtol=0)
+        sk_sum += sk_s
+        vis_sum += vis_s
+    assert sk.tolist() == sk_sum.tolist() and vis.tolist() == vis_sum.tolist()
+    # counting mode with [n, S] candidates predicts serving with those per-sequence lambdas
+    per_seq = torch.tensor([[0.0] * 4, lams, [0.2, 0.01, 0.6, 0.05]])
+    out_n, skipped, vis_n = paged_attention_counts(*batch, per_seq, scale=scale, impl="triton")
+    _, skipped_c, _ = paged_attention_counts(*batch, per_seq, scale=scale, impl="torch")
+    assert skipped.shape == (3, 4) and skipped.tolist() == skipped_c.tolist()
+    assert skipped[0].tolist() == [0] * 4 and skipped[1].tolist() == sk.tolist()
+    for j in range(3):
+        _, sk_j, _ = paged_attention(*batch, scale=scale, threshold=per_seq[j], impl="triton", return_counts=True)
+        assert sk_j.tolist() == skipped[j].tolist()
