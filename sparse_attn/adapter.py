@@ -10,9 +10,9 @@ every initialised attribute stay as they were), and, per launch:
 * otherwise stores new tokens through ``compat.cache_writer`` when the
   release's forward path owns the write (exactly once: never when the native
   path ran, which writes for itself), reads K/V through ``compat``'s views, and
-  runs the skip-softmax kernel with each phase's own threshold
-  ``lambda = a * exp(b * target) / kv_len`` (one launch per sequence, since
-  lambda depends on the sequence's KV length);
+  runs the skip-softmax kernel once per phase, each sequence with its own
+  threshold ``lambda = a * exp(b * target) / kv_len`` (mixed decode+prefill
+  batches are split so each phase gets its own fit);
 * in calibration mode, runs the dense counting kernel for a grid of candidate
   scale factors and records integer counts per phase.
 
@@ -21,6 +21,7 @@ Nothing here knows a vLLM release or a cache layout: those are ``compat`` calls.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -106,29 +107,47 @@ class SparseAttentionMixin:
         key_cache, value_cache = compat.kv_cache_views(kv_cache, head_size=self._sa_info.head_size, backend=self._sa_info.backend, isa=isa)
         q = query[:num_tokens].view(num_tokens, self._sa_info.num_heads, self._sa_info.head_size)
         out = output[:num_tokens].view(num_tokens, self._sa_info.num_heads, self._sa_info.head_size)
+        by_phase: dict[str, list[int]] = {}
         for s in range(num_seqs):
-            if q_lens[s] == 0:
-                continue
-            rows = slice(starts[s], starts[s + 1])
-            args = (q[rows], key_cache, value_cache, batch.block_table[s : s + 1], batch.seq_lens[s : s + 1],
-                    torch.tensor([0, q_lens[s]], dtype=batch.query_start_loc.dtype, device=q.device))
+            if q_lens[s]:
+                by_phase.setdefault(phases[s], []).append(s)
+        for phase, seqs in by_phase.items():
             if self._sa_policy.calibration_scales is not None:
-                candidates = [scale / kv_lens[s] for scale in self._sa_policy.calibration_scales]
-                result, skipped, visited = paged_attention_counts(*args, candidates, scale=self._sa_info.scale)
-                # Serving runs dense where lambda >= 1, so those candidates have no data at this length.
-                usable = [lam < 1.0 for lam in candidates]
-                tiles = int(visited.sum())
-                self._sa_stats.add_candidates(
-                    phases[s],
-                    [int(n) if ok else 0 for n, ok in zip(skipped.sum(dim=1).tolist(), usable)],
-                    [tiles if ok else 0 for ok in usable],
-                )
-            else:
-                result, skipped, visited = paged_attention(*args, scale=self._sa_info.scale, threshold=lambdas[s], return_counts=True)
-                self._sa_stats.add(phases[s], int(skipped.sum()), int(visited.sum()))
+                # Calibration feeds one sequence at a time, and a candidate's lambda
+                # must be masked per sequence (>= 1 at short lengths): per-sequence launches.
+                for s in seqs:
+                    self._count(phase, q, out, key_cache, value_cache, batch, starts, [s], kv_lens[s])
+                continue
+            rows, block_table, seq_lens, query_start_loc = _select(batch, starts, seqs)
+            phase_lambdas = [lambdas[s] or 0.0 for s in seqs]  # 0 = dense for that sequence
+            if not any(phase_lambdas):
+                out[rows] = paged_attention(q[rows], key_cache, value_cache, block_table, seq_lens, query_start_loc, scale=self._sa_info.scale)
+                self._sa_stats.add_dense(phase)
+                continue
+            result, skipped, visited = paged_attention(
+                q[rows], key_cache, value_cache, block_table, seq_lens, query_start_loc,
+                scale=self._sa_info.scale, threshold=phase_lambdas, return_counts=True,
+            )
             out[rows] = result
+            self._sa_stats.add(phase, int(skipped.sum()), int(visited.sum()))
         self._maybe_log()
         return output
+
+    def _count(self, phase, q, out, key_cache, value_cache, batch, starts, seqs, kv_len) -> None:
+        rows, block_table, seq_lens, query_start_loc = _select(batch, starts, seqs)
+        candidates = [scale / kv_len for scale in self._sa_policy.calibration_scales]
+        result, skipped, visited = paged_attention_counts(
+            q[rows], key_cache, value_cache, block_table, seq_lens, query_start_loc, candidates, scale=self._sa_info.scale
+        )
+        out[rows] = result
+        # Serving runs dense where lambda >= 1, so those candidates have no data at this length.
+        usable = [lam < 1.0 for lam in candidates]
+        tiles = int(visited.sum())
+        self._sa_stats.add_candidates(
+            phase,
+            [int(n) if ok else 0 for n, ok in zip(skipped.sum(dim=1).tolist(), usable)],
+            [tiles if ok else 0 for ok in usable],
+        )
 
     def _lambda(self, phase: str, kv_len: int) -> float | None:
         lam = self._sa_policy.threshold(phase, kv_len)
@@ -147,5 +166,19 @@ class SparseAttentionMixin:
         parts = []
         for phase, c in snap["phases"].items():
             ratio = f"{c['skipped'] / c['visited']:.1%}" if c["visited"] else "n/a"
-            parts.append(f"{phase} {ratio} of {c['visited']} tiles ({c['launches']} sparse, {c['native_launches']} native launches)")
+            parts.append(f"{phase} {ratio} of {c['visited']} tiles ({c['launches']} sparse, {c['dense_launches']} dense, "
+                         f"{c['native_launches']} native launches)")
         logger.info("sparse-attn: achieved sparsity: %s", "; ".join(parts))
+
+
+def _select(batch: runtime.BatchDescription, starts: list[int], seqs: list[int]):
+    """Query rows, block table ``[S', max_blocks]``, KV lengths ``[S']`` and query
+    offsets ``[S' + 1]`` of the sequences ``seqs`` (a slice when they are adjacent)."""
+    index = torch.tensor(seqs, device=batch.seq_lens.device)
+    lens = [starts[s + 1] - starts[s] for s in seqs]
+    offsets = torch.tensor([0, *itertools.accumulate(lens)], dtype=batch.query_start_loc.dtype, device=batch.query_start_loc.device)
+    if seqs == list(range(seqs[0], seqs[-1] + 1)):
+        rows = slice(starts[seqs[0]], starts[seqs[-1] + 1])
+        return rows, batch.block_table[seqs[0] : seqs[-1] + 1], batch.seq_lens[seqs[0] : seqs[-1] + 1], offsets
+    rows = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in seqs]).to(batch.seq_lens.device)
+    return rows, batch.block_table[index], batch.seq_lens[index], offsets

@@ -19,6 +19,8 @@ class PhaseCounts:
     visited: int = 0
     launches: int = 0
     native_launches: int = 0
+    #: uncalibrated phase inside a mixed batch: served by the sparse kernel at lambda 0
+    dense_launches: int = 0
 
     @property
     def sparsity(self) -> float | None:
@@ -52,6 +54,10 @@ class WorkerStats:
         with self.lock:
             self.phases[phase].native_launches += 1
 
+    def add_dense(self, phase: str) -> None:
+        with self.lock:
+            self.phases[phase].dense_launches += 1
+
     def add_candidates(self, phase: str, skipped: list[int], visited: list[int]) -> None:
         with self.lock:
             for totals, counts in ((self.candidate_skipped, skipped), (self.candidate_visited, visited)):
@@ -62,7 +68,8 @@ class WorkerStats:
     def snapshot(self, reset: bool = False) -> dict:
         with self.lock:
             data = {
-                "phases": {p: {"skipped": c.skipped, "visited": c.visited, "launches": c.launches, "native_launches": c.native_launches}
+                "phases": {p: {"skipped": c.skipped, "visited": c.visited, "launches": c.launches, "native_launches": c.native_launches,
+                           "dense_launches": c.dense_launches}
                            for p, c in self.phases.items()},
                 "candidate_skipped": {p: list(v) for p, v in self.candidate_skipped.items()},
                 "candidate_visited": {p: list(v) for p, v in self.candidate_visited.items()},

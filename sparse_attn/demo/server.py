@@ -31,10 +31,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from compat.runtime import SERVER_RPC_ROUTE
+from sparse_attn.plugin import STATS_RPC
+
 __all__ = ["ServerError", "ServeProcess", "free_port", "log_tail"]
 
 LOOPBACK = "127.0.0.1"
-STATS_METHOD = "sparse_attn_stats"
+STATS_METHOD = STATS_RPC
 
 
 class ServerError(RuntimeError):
@@ -247,11 +250,11 @@ class ServeProcess:
         body: dict[str, Any] = {"method": STATS_METHOD}
         if reset:
             body["kwargs"] = {"reset": True}
-        out = self.request("POST", "/collective_rpc", body, timeout=60)
+        out = self.request("POST", SERVER_RPC_ROUTE, body, timeout=60)
         return list((out or {}).get("results", []))
 
 
 def phase_totals(stats: Sequence[Mapping[str, Any]], phase: str) -> dict[str, int]:
     """Sum one phase's integer counters over workers."""
-    keys = ("skipped", "visited", "launches", "native_launches")
+    keys = ("skipped", "visited", "launches", "native_launches", "dense_launches")
     return {k: sum(int(s["phases"][phase][k]) for s in stats) for k in keys}
