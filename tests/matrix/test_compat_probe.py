@@ -33,7 +33,7 @@ def test_probe_equals_the_expected_row_exactly():
     if release(report) not in EXPECTED:
         pytest.fail(
             f"{release(report)} has no row in tests/matrix/expected_table.py. Run this env with "
-            f"`-- --record-expected`, check the printed row against the release's sources, and add it "
+            f"`-- tests/matrix --record-expected -s`, check the printed row against the release's sources, and add it "
             f"(with the env's tox factor) in one change. Probe said: {row(report)}"
         )
     assert row(report) == EXPECTED[release(report)]
