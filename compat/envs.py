@@ -83,6 +83,18 @@ def _parse_flag(raw: str, var: EnvVar) -> bool:
     )
 
 
+def _parse_nonnegative_float(raw: str, var: EnvVar) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0:  # also rejects NaN
+        raise InvalidOverrideError(
+            f"{var.name}={raw!r} is not a number >= 0. Fix: set it to e.g. {var.default}, or unset it."
+        )
+    return value
+
+
 def _check_choice(var: EnvVar, value: str, choices: tuple[str, ...], what: str = "value") -> None:
     if value not in choices:
         raise InvalidOverrideError(
@@ -133,23 +145,11 @@ REGISTRY: dict[str, EnvVar] = {
             name="SPARSE_ATTN_STATS_INTERVAL_S",
             default="60",
             doc="Seconds between the plugin's achieved-sparsity log lines in each worker; `0` turns them off.",
-            parse=lambda raw, var: _parse_nonnegative_float(raw, var),
+            parse=_parse_nonnegative_float,
             choices="a number >= 0",
         ),
     )
 }
-
-
-def _parse_nonnegative_float(raw: str, var: EnvVar) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not value >= 0:  # also rejects NaN
-        raise InvalidOverrideError(
-            f"{var.name}={raw!r} is not a number >= 0. Fix: set it to e.g. {var.default}, or unset it."
-        )
-    return value
 
 
 _cache: dict[str, Any] = {}
