@@ -8,18 +8,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
-from pathlib import Path
 from typing import Sequence
 
-EXIT_USAGE = 2
-
-
-class CliError(Exception):
-    """A user-facing failure: printed without a traceback, exit status 2."""
+from sparse_attn.errors import EXIT_USAGE, CliError
 
 
 def _add_calibrate(sub: argparse._SubParsersAction) -> None:
@@ -125,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def serve_command(checkpoint: str, vllm_args: Sequence[str]) -> list[str]:
     """The argv that starts vLLM's OpenAI server on ``checkpoint``."""
-    from compat.runtime import OPENAI_SERVER_MODULE
+    from compat.launch import OPENAI_SERVER_MODULE
 
     return [sys.executable, "-m", OPENAI_SERVER_MODULE, "--model", checkpoint, *vllm_args]
 

@@ -23,7 +23,7 @@ from sparse_attn.calibration.data import (
 from sparse_attn.calibration.export import build_sparse_attention_config, update_checkpoint_config, write_json_atomic
 from sparse_attn.calibration.fit import fit_phase
 from sparse_attn.calibration.runner import PHASES, candidate_scales, counting_mode_env, measure
-from sparse_attn.cli import CliError
+from sparse_attn.errors import CliError
 
 
 def _check_checkpoint(args) -> Path:
@@ -49,7 +49,7 @@ def _engine_kwargs(args, max_model_len: int) -> dict[str, Any]:
         raise CliError(f"--engine_kwargs is not JSON ({exc}); e.g. '{{\"kv_cache_memory_bytes\": 1073741824}}'") from None
     if not isinstance(extra, dict):
         raise CliError(f"--engine_kwargs must be a JSON object, got {type(extra).__name__}")
-    from compat import runtime
+    from compat import launch
 
     kwargs: dict[str, Any] = dict(
         model=args.checkpoint,
@@ -62,9 +62,9 @@ def _engine_kwargs(args, max_model_len: int) -> dict[str, Any]:
         enable_prefix_caching=False,
         max_num_batched_tokens=max_model_len,
         seed=args.seed,
-        **runtime.engine_backend_kwargs(args.attention_backend),
+        **launch.engine_backend_kwargs(args.attention_backend),
     )
-    if runtime.platform_is_cpu() and "kv_cache_memory_bytes" not in extra:
+    if launch.platform_is_cpu() and "kv_cache_memory_bytes" not in extra:
         # vLLM's default memory fraction fails on CPU hosts; 1 GiB holds the
         # calibration prompts of small and medium models.
         kwargs["kv_cache_memory_bytes"] = 1 << 30
@@ -134,11 +134,11 @@ def calibrate(args) -> int:
     except ValueError as exc:
         raise CliError(str(exc)) from None
 
-    from compat import runtime
+    from compat import launch
     from sparse_attn.plugin import STATS_RPC
 
     os.environ.update(counting_mode_env(scales))
-    os.environ.update(runtime.cpu_tensor_parallel_env(args.tensor_parallel_size))
+    os.environ.update(launch.cpu_tensor_parallel_env(args.tensor_parallel_size))
     from tqdm import tqdm
     from vllm import LLM
 

@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sparse_attn.cli import CliError
+from sparse_attn.errors import CliError
 
 #: Logit gains of the demo's tiny model (see the module docstring for why they differ
 #: from ``build_tiny_llama``'s defaults).
