@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from .fit import CalibrationError, FitPoint, FitResult
+from .errors import CalibrationError
+from .fit import FitPoint, FitResult
 
 __all__ = ["PlotUnavailableError", "plot_fit", "plot_fits"]
 
