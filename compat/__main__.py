@@ -12,7 +12,8 @@ import sys
 from compat import envs
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m compat`` argument parser."""
     parser = argparse.ArgumentParser(
         prog="python -m compat",
         description=(
@@ -23,7 +24,11 @@ def main(argv: list[str] | None = None) -> int:
         epilog="Overrides: " + ", ".join(envs.REGISTRY) + " (see README.md).",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON for machines")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     import compat
 
