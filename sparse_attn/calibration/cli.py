@@ -99,10 +99,10 @@ def _check_output(args, ckpt: Path, plot_paths: list[Path]) -> Path:
 def _check_plot(args) -> tuple[Path | None, list[Path]]:
     if not args.plot:
         return None, []
-    from sparse_attn.calibration.plot import PlotUnavailableError, _matplotlib
+    from sparse_attn.calibration.plot import PlotUnavailableError, require_matplotlib
 
     try:
-        _matplotlib()
+        require_matplotlib()
     except PlotUnavailableError as exc:
         raise CliError(f"--plot {args.plot}: {exc}") from None
     prefix = Path(args.plot)

@@ -13,7 +13,7 @@ from typing import Iterable, Mapping, Sequence
 from .errors import CalibrationError
 from .fit import FitPoint, FitResult
 
-__all__ = ["PlotUnavailableError", "plot_fit", "plot_fits"]
+__all__ = ["PlotUnavailableError", "plot_fit", "plot_fits", "require_matplotlib"]
 
 
 class PlotUnavailableError(CalibrationError):
@@ -30,6 +30,11 @@ def _matplotlib():
             "Fix: `pip install matplotlib`, or run calibration without --plot"
         ) from None
     return Figure, FigureCanvasAgg
+
+
+def require_matplotlib() -> None:
+    """Raise :class:`PlotUnavailableError` now if plotting would fail later (``--plot`` checks this before vLLM starts)."""
+    _matplotlib()
 
 
 def plot_fit(
