@@ -46,7 +46,6 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     add("--tensor_parallel_size", "--tensor-parallel-size", type=int, default=1, help="tensor-parallel ranks; counts are summed across them (default 1)")
     add("--update_checkpoint_config", "--update-checkpoint-config", action="store_true", help="merge the result into CKPT/config.json (atomic; other keys kept)")
     add("--output", default="./sparse_attention_config.json", help="where to write the section (default ./sparse_attention_config.json)")
-    add("--fit_logspace", "--fit-logspace", action=argparse.BooleanOptionalAction, default=True, help="fit ln(scale) linearly (relative error; default) or scale directly (--no-fit_logspace, ModelOpt's default)")
     add("--engine_kwargs", "--engine-kwargs", default="{}", help='JSON of extra vllm.LLM arguments, e.g. \'{"kv_cache_memory_bytes": 1073741824}\'')
     add("--plot", default=None, metavar="PATH", help="write one PNG per phase (PATH_prefill.png, PATH_decode.png)")
     add("--seed", type=int, default=0, help="seed for synthetic data and vLLM (default 0)")
