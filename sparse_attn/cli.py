@@ -73,7 +73,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--workdir", default="./sparse-attn-demo", help="where the checkpoint and results go (default ./sparse-attn-demo)")
     p.add_argument("--target_sparse_ratio", "--target-sparse-ratio", type=float, default=0.5)
-    p.add_argument("--calib_samples", "--calib-samples", type=int, default=8)
+    p.add_argument("--calib_samples", "--calib-samples", type=int, default=16)
     p.add_argument("--calib_max_seqlen", "--calib-max-seqlen", type=int, default=2048)
     p.add_argument("--decode_tokens", "--decode-tokens", type=int, default=16)
     p.add_argument("--port", type=int, default=0, help="server port on 127.0.0.1 (default: a free one)")
