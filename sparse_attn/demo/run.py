@@ -49,7 +49,7 @@ from sparse_attn.errors import CliError
 DEMO_GAINS = {"sink_gain": 12.0, "local_gain": 7.0, "retrieval_gain": 5.0}
 #: Held-out evaluation prompts: seed offset from the calibration seed, number, decode steps.
 EVAL_SEED_OFFSET = 1000
-EVAL_PROMPTS = 8
+EVAL_PROMPTS = 16
 EVAL_MAX_TOKENS = 32
 #: The demo fails when achieved sparsity on the held-out prompts is further than this from the target (either phase).
 TOLERANCE = 0.05
