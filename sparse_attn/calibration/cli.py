@@ -25,7 +25,7 @@ from sparse_attn.calibration.export import (
     update_checkpoint_config,
     write_json_atomic,
 )
-from sparse_attn.calibration.fit import fit_phase
+from sparse_attn.calibration.fit import fit_counts
 from sparse_attn.calibration.prompts import SAMPLES_FILE, CalibrationSample, check_lengths, load_prompts
 from sparse_attn.calibration.runner import PHASES, candidate_scales, counting_mode_env, measure
 from sparse_attn.calibration.synthetic import generate_calibration_samples
@@ -254,7 +254,7 @@ def calibrate(args) -> int:
     lengths = [s.num_tokens for s in samples]
     print(f"calibrate: {len(samples)} samples, {min(lengths)}..{max(lengths)} tokens, {args.decode_tokens} decode steps each")
     try:
-        scales = candidate_scales(max(lengths) + args.decode_tokens, num=args.num_candidates, logspace=args.fit_logspace)
+        scales = candidate_scales(max(lengths) + args.decode_tokens, num=args.num_candidates)
     except ValueError as exc:
         raise CliError(str(exc)) from None
 
@@ -278,11 +278,11 @@ def calibrate(args) -> int:
         raise CliError(f"the counting adapter ran on {installed} of {total} attention layers per worker; "
                        f"expected all (see the sparse-attn log lines for the layers left native and why)")
 
-    phases = [p for p in PHASES if measurement.points[p]]
+    phases = [p for p in PHASES if measurement.samples[p]]
     fits, errors = {}, []
     for phase in phases:
         try:
-            fits[phase] = fit_phase(measurement.points[phase], args.target_sparse_ratio, phase=phase, fit_logspace=args.fit_logspace)
+            fits[phase] = fit_counts(measurement.scales, measurement.samples[phase], args.target_sparse_ratio, phase=phase)
         except CalibrationError as exc:
             errors.append(f"{phase}: {exc}")
     if errors or not fits:
@@ -293,12 +293,8 @@ def calibrate(args) -> int:
     section = build_sparse_attention_config(fits, target_classes=measurement.owner_classes or None)
     report = {
         "sparse_attention_config": section,
-        "calibration": {
-            phase: {"a": f.a, "b": f.b, "r2": f.r2, "points_used": f.points_used, "points_total": f.points_total,
-                    "observed_sparsity_range": list(f.observed_sparsity_range), "target_sparsity": f.target_sparsity,
-                    "scale_at_target": f.scale_at_target, "warning": f.warning}
-            for phase, f in fits.items()
-        },
+        "calibration": {phase: f.to_report() for phase, f in fits.items()},
+        "counts": measurement.counts_report(),
         "samples": len(samples),
         "decode_tokens": args.decode_tokens,
         "tensor_parallel_size": args.tensor_parallel_size,
