@@ -34,10 +34,7 @@ TOLERANCE = 0.05
 
 
 def held_out_prompts(ckpt) -> list[list[int]]:
-    try:
-        from sparse_attn.calibration.synthetic import generate_calibration_samples
-    except ImportError:  # before calibration/data.py was split
-        from sparse_attn.calibration.data import generate_calibration_samples
+    from sparse_attn.calibration.synthetic import generate_calibration_samples
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
