@@ -126,7 +126,7 @@ def test_missing_phase_runs_dense_and_is_reported():
     assert cfg.missing_phases == ("decode",)
     assert cfg.threshold("decode", 4096) is None
     assert cfg.threshold("prefill", 4096) is not None
-    assert any("decode runs dense" in w for w in cfg.warnings)
+    assert any("no calibrated threshold for the decode phase; it runs dense" in w for w in cfg.warnings)
     assert "decode" not in cfg.to_dict()["config_groups"]["group_0"]["threshold_scale_factor"]
 
 
