@@ -265,8 +265,8 @@ class UnservedGroup:
         what = f"algorithm {self.algorithm!r}" if self.algorithm is not None else "no algorithm key"
         return (
             f"{root}.config_groups.{self.name} ({what}) is not served: this runtime implements only "
-            f"skip_softmax, so those layers keep the attention the skip-softmax group gives them "
-            f"(set SPARSE_ATTN_STRICT=1 to make this an error)"
+            f"skip_softmax, so this group's sparsity is not applied (set SPARSE_ATTN_STRICT=1 to make "
+            f"this an error)"
         )
 
 
@@ -773,6 +773,8 @@ class SectionReading:
     ours: bool
     note: str | None = None
     unserved: tuple[UnservedGroup, ...] = ()
+    #: False when the key is absent altogether
+    present: bool = True
 
 
 def _foreign_note(section: Any) -> str:
@@ -796,7 +798,7 @@ def read_section(section: Any, *, source: str | None = None) -> SectionReading:
     two skip-softmax groups, which TensorRT-LLM rejects too).
     """
     if section is None:
-        return SectionReading(None, ours=False, note=f"no {SECTION_KEY}")
+        return SectionReading(None, ours=False, note=f"no {SECTION_KEY}", present=False)
     if not is_modelopt_section(section):
         return SectionReading(None, ours=False, note=_foreign_note(section))
     config, unserved = _parse_section(section, source)
