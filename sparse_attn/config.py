@@ -161,7 +161,7 @@ MAX_PATTERN_LENGTH = 256
 #: 100-character name, five ~0.2 s, six seconds (measured, CPython 3.11).
 MAX_UNBOUNDED_REPEATS = 3
 #: How a user switches the plugin off when a start-up error blocks serving.
-DISABLE_HINT = "or set SPARSE_ATTN_DISABLE=1 to serve with native vLLM attention"
+DISABLE_HINT = "or set SPARSE_ATTN_DISABLE=1 to serve with native attention"
 
 _GROUP_KNOWN_KEYS = {
     "algorithm",
