@@ -183,8 +183,13 @@ def serve(checkpoint: str, vllm_args: Sequence[str], *, validate_only: bool = Fa
     """Validate ``checkpoint``'s sparse_attention_config as the plugin will read it, print
     the plugin's warnings, then exec vLLM's OpenAI server (unless ``validate_only``)."""
     from compat import envs
+    from compat.errors import InvalidOverrideError
 
-    if envs.get("SPARSE_ATTN_DISABLE"):
+    try:
+        disabled, strict = envs.get("SPARSE_ATTN_DISABLE"), envs.get("SPARSE_ATTN_STRICT")
+    except InvalidOverrideError as exc:  # the plugin would fail the same way in every vLLM process
+        raise CliError(str(exc)) from None
+    if disabled:
         say("SPARSE_ATTN_DISABLE=1: the plugin is off and the config is not checked; vLLM attention stays native")
     else:
         ckpt_dir, why_not = _resolve_checkpoint(checkpoint, _vllm_arg(vllm_args, "--revision"))
@@ -192,7 +197,7 @@ def serve(checkpoint: str, vllm_args: Sequence[str], *, validate_only: bool = Fa
             say(f"{checkpoint}: {why_not}; its sparse_attention_config is NOT validated here (vLLM downloads the "
                 f"model and the plugin checks the config in each worker, failing start-up if it is malformed)")
         else:
-            _validate(checkpoint, ckpt_dir, vllm_args, strict=envs.get("SPARSE_ATTN_STRICT"))
+            _validate(checkpoint, ckpt_dir, vllm_args, strict=strict)
     command = serve_command(checkpoint, vllm_args)
     if validate_only:
         say("--validate-only: not starting vLLM; the command would be " + " ".join(command))

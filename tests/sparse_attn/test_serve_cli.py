@@ -154,6 +154,12 @@ def test_disable_skips_validation(capsys, ckpt, monkeypatch):
     assert code == 0 and "SPARSE_ATTN_DISABLE=1: the plugin is off" in out
 
 
+def test_invalid_env_value_is_a_clear_error(capsys, ckpt, monkeypatch):
+    monkeypatch.setenv("SPARSE_ATTN_STRICT", "maybe")
+    code, out = serve(capsys, ckpt(None))
+    assert code == 2 and "SPARSE_ATTN_STRICT='maybe' is not a boolean" in out and "Traceback" not in out
+
+
 @pytest.mark.parametrize("model", ["/no/such/ckpt", "./missing", "a/b/c"], ids=["absolute", "relative", "three_parts"])
 def test_missing_path_is_an_error_not_a_hub_id(capsys, model):
     code, out = serve(capsys, model)
