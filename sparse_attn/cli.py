@@ -130,7 +130,7 @@ def serve_command(checkpoint: str, vllm_args: Sequence[str]) -> list[str]:
 
 
 def _vllm_arg(vllm_args: Sequence[str], *names: str) -> str | None:
-    """The value of the last ``--name VALUE`` / ``--name=VALUE`` among vLLM's arguments."""
+    """The value of the last ``FLAG VALUE`` / ``FLAG=VALUE`` among vLLM's arguments, for any of ``names``."""
     value = None
     args = list(vllm_args)
     for i, arg in enumerate(args):

@@ -25,7 +25,7 @@ FLAG = re.compile(r"(?<![\w-])--([a-z][a-z0-9]*(?:[-_][a-z0-9]+)*)")
 VLLM_SERVE_FLAGS = frozenset({
     "--model", "--host", "--port", "--dtype", "--seed", "--enforce-eager", "--max-model-len",
     "--served-model-name", "--kv-cache-memory-bytes", "--no-enable-prefix-caching",
-    "--attention-backend", "--tensor-parallel-size",
+    "--attention-backend", "--tensor-parallel-size", "--revision", "--hf-overrides", "--hf-config-path",
 })
 #: Prefixes our code matches vLLM arguments against (``a.startswith(prefix)``).
 VLLM_SERVE_FLAG_PREFIXES = frozenset({"--kv-cache-memory"})
