@@ -24,6 +24,8 @@ BACKENDS: tuple[str, ...] = ("FLASHINFER", "FLASH_ATTN", "CPU_ATTN")
 #: Layout names of the catalogue (``compat.layouts.KVLayout`` values).
 LAYOUT_NAMES: tuple[str, ...] = ("blocks-first", "kv-first", "packed", "cpu-packed")
 WRITER_CHOICES: tuple[str, ...] = ("auto", "vllm", "adapter")
+#: ``SPARSE_ATTN_CUDAGRAPH`` values (``compat.graphs.ENV_CAPS``).
+CUDAGRAPH_CHOICES: tuple[str, ...] = ("auto", "decode", "never")
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,12 @@ def _parse_layout_override(raw: str, var: EnvVar) -> Mapping[str, str]:
 def _parse_writer(raw: str, var: EnvVar) -> str:
     value = raw.strip().lower() or var.default
     _check_choice(var, value, WRITER_CHOICES)
+    return value
+
+
+def _parse_cudagraph(raw: str, var: EnvVar) -> str:
+    value = raw.strip().lower() or var.default
+    _check_choice(var, value, CUDAGRAPH_CHOICES)
     return value
 
 
@@ -126,6 +134,18 @@ REGISTRY: dict[str, EnvVar] = {
             ),
             parse=_parse_writer,
             choices="auto, vllm, adapter",
+        ),
+        EnvVar(
+            name="SPARSE_ATTN_CUDAGRAPH",
+            default="auto",
+            doc=(
+                "CUDA-graph level the builders of sparse backends declare to vLLM: `auto` and `decode` declare "
+                "min(native, UNIFORM_SINGLE_TOKEN_DECODE) (decode batches captured, prefill and mixed batches "
+                "piecewise with eager attention; `decode` pins it should `auto` change); `never` declares NEVER "
+                "(vLLM drops full graphs, keeps piecewise)."
+            ),
+            parse=_parse_cudagraph,
+            choices="auto, decode, never",
         ),
         EnvVar(
             name="SPARSE_ATTN_DISABLE",
