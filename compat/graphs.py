@@ -23,8 +23,10 @@ WHY installing after ``load_model`` works: the plugin installs from its hook on 
 (``compat.runtime.on_model_loaded``); the engine calls ``determine_available_memory`` (whose
 ``profile_cudagraph_memory`` builds a minimal KV cache and so resolves the mode once) and then
 ``initialize_from_config`` -> ``initialize_kv_cache`` only after every worker loaded its model, and both
-runners call ``get_cudagraph_support`` there, through the class, each time. Verified in the sources of
-0.18.1, 0.22.1, 0.25.1, 0.28.0, 0.29.0, 0.30.0, 0.31.0 and 0.33.0 (v1 and v2 runners).
+runners call ``get_cudagraph_support`` there (v1 on the class, v2 on a builder instance), each time, and
+neither ``load_model`` reads it. Verified in the sources of 0.18.1, 0.22.1, 0.25.1, 0.28.0, 0.29.0, 0.30.0,
+0.31.0 and 0.33.0. One exception: 0.18.1's opt-in v2 runner (``VLLM_USE_V2_MODEL_RUNNER=1``) never asks the
+builders, so there only the default v1 runner or ``--enforce-eager`` keeps sparse attention out of graphs.
 
 ``decide`` is the probe (no side effects: it reads class attributes and a function's code object, calls
 nothing of vLLM's); ``restrict_cudagraph_support`` is the one install; ``reset_for_tests`` undoes installs.
