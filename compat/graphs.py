@@ -51,7 +51,7 @@ ATTRIBUTE = "_cudagraph_support"
 
 
 class GraphLevel(enum.IntEnum):
-    """vLLM's ``AttentionCGSupport``, by member name (values identical in 0.15 - 0.33)."""
+    """vLLM's ``AttentionCGSupport``, by member name (same names and values in 0.18.1 - 0.33.0)."""
 
     NEVER = 0
     UNIFORM_SINGLE_TOKEN_DECODE = 1
