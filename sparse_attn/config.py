@@ -492,8 +492,8 @@ def _parse_scale_factor(value: Any, path: str, source: str | None) -> tuple[str,
     if _is_number(value):
         raise SparseAttentionConfigError(
             path, value, "a calibration curve {formula, prefill: {a, b}, decode: {a, b}}",
-            "a fixed scale factor is a runtime option (--threshold-scale-factor), not checkpoint calibration; "
-            "run `sparse-attn calibrate` to produce a curve", source=source,
+            "a single number is not a calibration; run `sparse-attn calibrate CKPT --update_checkpoint_config` "
+            "to write the curve, or write {formula, prefill: {a, b}, decode: {a, b}} yourself", source=source,
         )
     mapping = _require_mapping(value, path, source, "formula and per-phase coefficients")
     formula = mapping.get("formula", _MISSING)

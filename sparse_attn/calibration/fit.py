@@ -59,8 +59,7 @@ DEFAULT_MIN_POINTS = 3
 DEFAULT_REFERENCE_KV_LEN = 8192
 
 
-class CalibrationError(ValueError):
-    """Calibration cannot produce a trustworthy result; the message says why and how to fix it."""
+from .errors import CalibrationError  # noqa: E402  (defined in errors.py; re-exported here)
 
 
 # --------------------------------------------------------------------------- #

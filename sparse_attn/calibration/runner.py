@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from sparse_attn.calibration.data import CalibrationSample
+from sparse_attn.calibration.prompts import CalibrationSample
 from sparse_attn.calibration.fit import FitPoint
 
 PHASES = ("prefill", "decode")

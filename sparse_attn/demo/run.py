@@ -133,7 +133,7 @@ def _eval_prompts(ckpt: Path, args) -> list[list[int]]:
     """Held-out RULER-style prompts (another seed than calibration), as token ids."""
     from tokenizers import Tokenizer
 
-    from sparse_attn.calibration.data import generate_calibration_samples
+    from sparse_attn.calibration.synthetic import generate_calibration_samples
 
     tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
 
