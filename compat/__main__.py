@@ -65,6 +65,8 @@ def render(report, invalid=()) -> str:
     for row in rows:
         lines.append("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:5])) + "  " + row[5])
     lines.append("")
+    lines += [f"cuda graphs {name}: {b.graphs.describe()}" for name, b in report.backends.items() if b.graphs]
+    lines.append("")
     if report.overrides:
         lines.append("overrides: " + ", ".join(f"{k}={v}" + (" (INVALID)" if k in invalid else "") for k, v in report.overrides.items()))
     else:

@@ -28,6 +28,8 @@ BACKENDS: tuple[str, ...] = ("FLASHINFER", "FLASH_ATTN", "CPU_ATTN")
 #: Layout names of the catalogue: the ``compat.layouts.KVLayout`` values (one definition).
 LAYOUT_NAMES: tuple[str, ...] = tuple(layout.value for layout in KVLayout)
 WRITER_CHOICES: tuple[str, ...] = ("auto", "vllm", "adapter")
+#: ``SPARSE_ATTN_CUDAGRAPH`` values (``compat.graphs.ENV_CAPS``).
+CUDAGRAPH_CHOICES: tuple[str, ...] = ("auto", "decode", "never")
 #: Spellings ``_parse_flag`` accepts.
 FLAG_TRUE: tuple[str, ...] = ("1", "true", "yes", "on")
 FLAG_FALSE: tuple[str, ...] = ("0", "false", "no", "off")
@@ -82,6 +84,12 @@ def _parse_layout_override(raw: str, var: EnvVar) -> Mapping[str, str]:
 def _parse_writer(raw: str, var: EnvVar) -> str:
     value = raw.strip().lower()
     _check_choice(var, value, WRITER_CHOICES)
+    return value
+
+
+def _parse_cudagraph(raw: str, var: EnvVar) -> str:
+    value = raw.strip().lower()
+    _check_choice(var, value, CUDAGRAPH_CHOICES)
     return value
 
 
@@ -140,6 +148,18 @@ REGISTRY: dict[str, EnvVar] = {
             ),
             parse=_parse_writer,
             choices=", ".join(WRITER_CHOICES),
+        ),
+        EnvVar(
+            name="SPARSE_ATTN_CUDAGRAPH",
+            default="auto",
+            doc=(
+                "CUDA-graph level the builders of sparse backends declare to vLLM: `auto` and `decode` declare "
+                "min(native, UNIFORM_SINGLE_TOKEN_DECODE) (decode batches captured, prefill and mixed batches "
+                "piecewise with eager attention; `decode` pins it should `auto` change); `never` declares NEVER "
+                "(vLLM drops full graphs, keeps piecewise)."
+            ),
+            parse=_parse_cudagraph,
+            choices=", ".join(CUDAGRAPH_CHOICES),
         ),
         EnvVar(
             name="SPARSE_ATTN_DISABLE",
