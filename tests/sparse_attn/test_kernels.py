@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from sparse_attn.kernels import TILE_K, TILE_Q, paged_attention, paged_attention_counts
+from sparse_attn.kernels import SPLIT_K, TILE_K, TILE_Q, paged_attention, paged_attention_counts
 
 
 # --------------------------------------------------------------------------- helpers
@@ -81,8 +81,9 @@ def gather_seq(cache, bt, s, n):
     return cache[bt[s].long()[pos // page], pos % page].double()       # [n, Hkv, D]
 
 
-def reference(q, k, v, bt, seq_lens, qsl, scale, lam=0.0, causal=True, thresholds=()):
-    """Brute-force float64 attention with the documented tile skip rule.
+def reference(q, k, v, bt, seq_lens, qsl, scale, lam=0.0, causal=True, thresholds=(), split_k=SPLIT_K):
+    """Brute-force float64 attention with the documented tile skip rule (the dense running
+    max restarts at every ``split_k`` boundary; a split's first tile is never skippable).
 
     Returns ``(out [T, Hq, D] float64, skipped [Hq] under lam, visited [Hq],
     skipped_per_threshold [len(thresholds), Hq])``.
@@ -116,7 +117,10 @@ def reference(q, k, v, bt, seq_lens, qsl, scale, lam=0.0, causal=True, threshold
                     c0, c1 = t * TILE_K, min(n, (t + 1) * TILE_K)
                     tmax = scores[r0:r1, c0:c1].amax(1)
                     visited[h] += 1
-                    ratio = torch.exp(tmax - m).max().item() if t > 0 else math.inf
+                    opens_split = c0 % split_k == 0
+                    if opens_split:
+                        m = torch.full_like(m, float("-inf"))
+                    ratio = math.inf if opens_split else torch.exp(tmax - m).max().item()
                     for j, thr in enumerate(thresholds):
                         per_thr[j, h] += ratio < thr
                     if ratio < lam:
@@ -421,3 +425,55 @@ def test_bad_per_sequence_counting_thresholds_raise(thresholds):
     batch = make_batch([40, 20], [5, 1], 4, 2, 16, 16)
     with pytest.raises(ValueError, match="threshold"):
         paged_attention_counts(*batch, thresholds, scale=0.25, impl="torch")
+
+
+# --------------------------------------------------------------------------- KV splits of the rule
+
+SPLIT_CASES = {
+    # kv_lens, q_lens, Hq, Hkv, D, page, split_k: every case crosses several split boundaries
+    "decode-split128-gqa4": ([700, 65, 129, 1000], [1, 1, 1, 1], 8, 2, 16, 16, 128),
+    "mixed-split192-gqa2-page7": ([650, 300, 40], [1, 150, 40], 4, 2, 16, 7, 192),
+    "prefill-split64-every-tile": ([400], [200], 2, 1, 16, 32, 64),
+    "decode-default-split-mqa": ([SPLIT_K * 2 + 300, 900], [1, 1], 4, 1, 16, 16, None),
+}
+
+
+@pytest.mark.parametrize("case", list(SPLIT_CASES), ids=list(SPLIT_CASES))
+def test_split_rule_matches_bruteforce_and_counting(case):
+    kv_lens, q_lens, hq, hkv, d, page, split_k = SPLIT_CASES[case]
+    batch = add_sink(make_batch(kv_lens, q_lens, hq, hkv, d, page, layout="dim_major_k", seed=21))
+    scale = 2.0 * d ** -0.5
+    rule = {} if split_k is None else {"split_k": split_k}
+    lams = [0.0, 1e-3, 0.05, 0.3]
+    ref_out, _, ref_vis, per_thr = reference(*batch, scale, thresholds=lams, **rule)
+    out, skipped, vis = paged_attention_counts(*batch, lams, scale=scale, impl="torch", **rule)
+    assert skipped.tolist() == per_thr.tolist() and vis.tolist() == ref_vis.tolist()
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=1e-5)
+    for j, lam in enumerate(lams[1:], 1):
+        ref, ref_sk, _, _ = reference(*batch, scale, lam=lam, **rule)
+        o, sk, _ = _run(batch, scale=scale, threshold=lam, return_counts=True, **rule)
+        assert sk.tolist() == ref_sk.tolist() == skipped[j].tolist()
+        torch.testing.assert_close(o.double(), ref, atol=2e-5, rtol=1e-5)
+    if split_k == TILE_K:  # every tile opens a split: nothing is skippable
+        assert int(skipped.sum()) == 0
+    else:
+        assert int(skipped[-1].sum()) > 0
+
+
+def test_split_boundaries_change_counts():
+    """The split is part of the rule: split openers are never skipped, so a long decode
+    skips fewer tiles with splits than with one split spanning the whole sequence."""
+    batch = add_sink(make_batch([SPLIT_K * 3], [1], 4, 1, 16, 16, seed=5))
+    _, sk_split, vis = _run(batch, scale=1.0, threshold=0.5, return_counts=True)
+    _, sk_one, vis_one = _run(batch, scale=1.0, threshold=0.5, return_counts=True, split_k=SPLIT_K * 4)
+    assert vis.tolist() == vis_one.tolist()
+    assert (sk_split < sk_one).all() and (sk_split > 0).all()
+    assert sk_one.tolist() == reference(*batch, 1.0, lam=0.5, split_k=SPLIT_K * 4)[1].tolist()
+
+
+@pytest.mark.parametrize("split_k", [0, 100, -64, 64.0, True], ids=["zero", "not-multiple", "negative", "float",
+                                                                   "bool"])
+def test_bad_split_raises(split_k):
+    batch = make_batch([40], [5], 2, 1, 16, 16)
+    with pytest.raises(ValueError, match="split_k"):
+        _run(batch, scale=0.25, split_k=split_k)
