@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 
 from sparse_attn.kernels import SPLIT_K, TILE_K, paged_attention, paged_attention_counts  # noqa: E402
 
-from .test_kernels import add_sink, make_batch, reference  # noqa: E402
+from .kernel_reference import add_sink, make_batch, reference  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
     pytest.skip("needs TRITON_INTERPRET=1 or a GPU", allow_module_level=True)
