@@ -359,3 +359,16 @@ def test_bad_split_raises(split_k):
     batch = make_batch([40], [5], 2, 1, 16, 16)
     with pytest.raises(ValueError, match="split_k"):
         _run(batch, scale=0.25, split_k=split_k)
+
+
+def test_unchecked_call_on_cpu_equals_checked():
+    """check=False on CPU (the torch implementation reads host tensors: no sync) gives the
+    checked call's output and counts, for a float and a per-sequence tensor lambda."""
+    batch = add_sink(make_batch([300, 5, 700], [1, 5, 1], 4, 2, 16, 16, seed=17))
+    for thr in (0.3, torch.tensor([0.3, 0.0, 0.5])):
+        a = _run(batch, scale=1.0, threshold=thr, return_counts=True)
+        b = _run(batch, scale=1.0, threshold=thr, return_counts=True, check=False, max_query_len=5)
+        torch.testing.assert_close(b[0], a[0], atol=0, rtol=0)
+        assert b[1].tolist() == a[1].tolist() and b[2].tolist() == a[2].tolist() and int(a[1].sum()) > 0
+    with pytest.raises(ValueError, match="threshold shape"):
+        _run(batch, scale=1.0, threshold=torch.zeros(2), check=False)
