@@ -345,6 +345,9 @@ def main(argv=None):
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype]
     keep = set(a.only.split(",")) if a.only else None
     if a.device == "cuda":
+        if not torch.cuda.is_available():
+            p.error("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False); "
+                    "run on a GPU machine, or use --device cpu")
         cases = [c for c in GPU_CASES if keep is None or c[0] in keep]
         print(f"device={torch.cuda.get_device_name()} dtype={a.dtype} page={a.page_size} TILE_Q={TILE_Q} "
               f"TILE_K={TILE_K} SPLIT_K={SPLIT_K}\n")
