@@ -203,9 +203,16 @@ def _sdpa_call(q, k, v, scale, q_len, kv_len):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     g = q.shape[1] // k.shape[1]
-    k_x, v_x = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    expanded = []      # K/V expanded to the query heads, made only if no backend takes GQA
+
+    def variants():
+        yield k, v, True, "gqa"
+        if not expanded:
+            expanded.append((k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)))
+        yield (*expanded[0], False, "expanded-kv")
+
     for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
-        for kk, vv, gqa, tag in ((k, v, True, "gqa"), (k_x, v_x, False, "expanded-kv")):
+        for kk, vv, gqa, tag in variants():
             def fn(kk=kk, vv=vv, gqa=gqa, backend=backend):
                 with sdpa_kernel([backend]):
                     return sdpa(q, kk, vv, scale=scale, is_causal=causal, enable_gqa=gqa)
