@@ -1,7 +1,9 @@
 """``sparse-attn calibrate``: data -> vLLM counting run -> fit -> export.
 
 Everything that can be checked before vLLM starts is checked first (checkpoint,
-output paths and their writability, ``--plot``'s matplotlib, ``--engine_kwargs``,
+its ``sparse_attention_config`` under ``--update_checkpoint_config`` (a foreign
+or malformed one is refused), output paths and their writability (never the
+checkpoint's ``config.json`` or Qwen dual-chunk ``sparse_attention_config.json``), ``--plot``'s matplotlib, ``--engine_kwargs``,
 lengths against the model's limit, data), and nothing is written until the fit
 succeeded: an error or an interrupt leaves the checkpoint and ``--output``
 untouched. The report and the checkpoint update are written before the plots,
