@@ -14,6 +14,14 @@ from typing import Sequence
 
 from sparse_attn.errors import EXIT_USAGE, CliError
 
+#: ``--output`` when not given. Deliberately NOT ``sparse_attention_config.json``: vLLM's
+#: Qwen dual-chunk attention models (HF config with ``dual_chunk_attention_config``) load
+#: that file from the checkpoint directory, so the old default, run from inside a
+#: checkpoint, created or replaced a file the model reads.
+DEFAULT_OUTPUT = "./sparse_attn_calibration.json"
+#: A checkpoint file vLLM itself reads (Qwen dual-chunk attention's sparse settings).
+QWEN_DUAL_CHUNK_FILE = "sparse_attention_config.json"
+
 
 def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -44,8 +52,8 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     add("--dtype", default="auto", help="model dtype for vLLM (default auto)")
     add("--attention_backend", "--attention-backend", default=None, help="vLLM attention backend, e.g. FLASHINFER, FLASH_ATTN, CPU_ATTN (default: vLLM's choice)")
     add("--tensor_parallel_size", "--tensor-parallel-size", type=int, default=1, help="tensor-parallel ranks; counts are summed across them (default 1)")
-    add("--update_checkpoint_config", "--update-checkpoint-config", action="store_true", help="merge the result into CKPT/config.json (atomic; other keys kept)")
-    add("--output", default="./sparse_attention_config.json", help="file to write the calibration report to (default ./sparse_attention_config.json); never the checkpoint's config.json")
+    add("--update_checkpoint_config", "--update-checkpoint-config", action="store_true", help="merge the result into CKPT/config.json atomically: only the skip-softmax group's curve and targets (and the producer) change, every other key and ModelOpt group is kept verbatim; refused before calibrating when sparse_attention_config is the model's own (e.g. MiniMax-M3's)")
+    add("--output", default=DEFAULT_OUTPUT, help=f"file to write the calibration report to (default {DEFAULT_OUTPUT}); never the checkpoint's config.json or sparse_attention_config.json (Qwen dual-chunk attention reads that one)")
     add("--engine_kwargs", "--engine-kwargs", default="{}", help='JSON of extra vllm.LLM arguments, e.g. \'{"kv_cache_memory_bytes": 1073741824}\'; keys calibration sets itself (model, max_model_len, tensor_parallel_size, enforce_eager, enable_prefix_caching, dtype, seed, attention_backend) are refused')
     add("--plot", default=None, metavar="PATH", help="write one PNG per phase (PATH_prefill.png, PATH_decode.png)")
     add("--seed", type=int, default=0, help="seed for synthetic data and vLLM (default 0)")

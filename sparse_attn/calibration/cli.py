@@ -1,7 +1,9 @@
 """``sparse-attn calibrate``: data -> vLLM counting run -> fit -> export.
 
 Everything that can be checked before vLLM starts is checked first (checkpoint,
-output paths and their writability, ``--plot``'s matplotlib, ``--engine_kwargs``,
+its ``sparse_attention_config`` under ``--update_checkpoint_config`` (a foreign
+or malformed one is refused), output paths and their writability (never the
+checkpoint's ``config.json`` or Qwen dual-chunk ``sparse_attention_config.json``), ``--plot``'s matplotlib, ``--engine_kwargs``,
 lengths against the model's limit, data), and nothing is written until the fit
 succeeded: an error or an interrupt leaves the checkpoint and ``--output``
 untouched. The report and the checkpoint update are written before the plots,
@@ -20,7 +22,9 @@ from typing import Any, Iterator, Mapping
 
 from sparse_attn.calibration.errors import CalibrationDataError, CalibrationError
 from sparse_attn.calibration.export import (
+    ExportError,
     build_sparse_attention_config,
+    check_checkpoint_update,
     remove_stale_temp_files,
     update_checkpoint_config,
     write_json_atomic,
@@ -29,6 +33,7 @@ from sparse_attn.calibration.fit import fit_counts
 from sparse_attn.calibration.prompts import SAMPLES_FILE, CalibrationSample, check_lengths, load_prompts
 from sparse_attn.calibration.runner import PHASES, candidate_scales, counting_mode_env, measure
 from sparse_attn.calibration.synthetic import generate_calibration_samples
+from sparse_attn.cli import DEFAULT_OUTPUT, QWEN_DUAL_CHUNK_FILE
 from sparse_attn.errors import CliError
 
 #: ``--calib_max_seqlen`` when not given; lowered to the model's limit when that is shorter.
@@ -64,14 +69,21 @@ def _is_calibration_report(path: Path) -> bool:
 def _check_output(args, ckpt: Path, plot_paths: list[Path]) -> Path:
     output = Path(args.output)
     if output.is_dir():
-        raise CliError(f"--output {output} is a directory; expected a file path. Fix: pass e.g. --output {output / 'sparse_attention_config.json'}")
+        raise CliError(f"--output {output} is a directory; expected a file path. Fix: pass e.g. --output {output / Path(DEFAULT_OUTPUT).name}")
     out_dir = output.absolute().parent  # the temporary file is made here, then renamed over --output
     if not out_dir.is_dir() or not os.access(out_dir, os.W_OK):
         raise CliError(f"--output {args.output}: directory {out_dir} does not exist or is not writable")
     # Files this run must never replace: the model's config (holds model_type,
     # architectures...; --update_checkpoint_config merges into it, never replaces
     # it) and the user's own calibration data.
-    protected = {_real(ckpt / "config.json"): "the checkpoint's config.json (the model's configuration)"}
+    protected = {
+        _real(ckpt / "config.json"): "the checkpoint's config.json (the model's configuration)",
+        # Refused whether or not it exists yet: creating it changes how a Qwen
+        # dual-chunk model loads (vLLM reads it when the HF config has
+        # dual_chunk_attention_config), and replacing it destroys those settings.
+        _real(ckpt / QWEN_DUAL_CHUNK_FILE): (f"the checkpoint's {QWEN_DUAL_CHUNK_FILE}, which vLLM loads for Qwen "
+                                             f"dual-chunk attention models (config.json dual_chunk_attention_config)"),
+    }
     for source in filter(None, (args.prompts_file, args.calib_data_dir)):
         src = Path(source)
         file = src / SAMPLES_FILE if src.is_dir() else src
@@ -81,7 +93,7 @@ def _check_output(args, ckpt: Path, plot_paths: list[Path]) -> Path:
         if target in protected:
             raise CliError(
                 f"{flag} {target} is {protected[target]}; writing the calibration report there would destroy it. "
-                f"Fix: pass another path (the default is ./sparse_attention_config.json); to put the section into "
+                f"Fix: pass another path (the default is {DEFAULT_OUTPUT}); to put the section into "
                 f"the checkpoint's config.json use --update_checkpoint_config, which merges it and keeps every other key"
             )
     real_ckpt = _real(ckpt)
@@ -89,7 +101,7 @@ def _check_output(args, ckpt: Path, plot_paths: list[Path]) -> Path:
     if target.parent == real_ckpt and target.exists() and not _is_calibration_report(target):
         raise CliError(
             f"--output {target} already exists in the checkpoint directory and is not a calibration report; "
-            f"refusing to replace a checkpoint file. Fix: pass a new file name, e.g. --output {ckpt / 'sparse_attention_config.json'}"
+            f"refusing to replace a checkpoint file. Fix: pass a new file name, e.g. --output {ckpt / Path(DEFAULT_OUTPUT).name}"
         )
     if len(set(written.values())) != len(written):
         raise CliError(f"--output and --plot name the same file ({target}). Fix: give them different paths")
@@ -177,8 +189,14 @@ def _check_args(args) -> _Plan:
     ckpt = Path(args.checkpoint)
     if not (ckpt / "config.json").is_file():
         raise CliError(f"{ckpt} has no config.json; pass a local Hugging Face checkpoint directory")
-    if args.update_checkpoint_config and not os.access(ckpt, os.W_OK):
-        raise CliError(f"--update_checkpoint_config: {ckpt} is not writable; drop the flag and use --output, or fix permissions")
+    if args.update_checkpoint_config:
+        # The same refusals update_checkpoint_config makes after the fit (a foreign
+        # sparse_attention_config such as MiniMax-M3's, a malformed one, an unwritable
+        # directory), made now so a long calibration is not wasted on them.
+        try:
+            check_checkpoint_update(ckpt)
+        except ExportError as exc:
+            raise CliError(f"--update_checkpoint_config: {exc}") from None
     if not 0.0 < args.target_sparse_ratio < 1.0:
         raise CliError(f"--target_sparse_ratio {args.target_sparse_ratio} must be in (0, 1)")
     if args.decode_tokens < 0 or args.calib_samples < 1 or args.tensor_parallel_size < 1 or args.num_candidates < 4:
@@ -304,7 +322,10 @@ def calibrate(args) -> int:
     write_json_atomic(plan.output, report)
     print(f"wrote {plan.output}")
     if args.update_checkpoint_config:
-        update_checkpoint_config(plan.ckpt, section)
+        try:
+            update_checkpoint_config(plan.ckpt, section)
+        except ExportError as exc:  # e.g. config.json changed during the run; the report is safe
+            raise CliError(f"--update_checkpoint_config: {exc} (the calibration report was written to {plan.output})") from None
         print(f"updated {plan.ckpt / 'config.json'} (sparse_attention_config)")
     if plan.plot_prefix is not None:
         from sparse_attn.calibration.plot import plot_fits

@@ -5,7 +5,17 @@
   targets and producer info, serialised by its ``to_dict()`` and validated by
   parsing it back with :func:`sparse_attn.config.parse_sparse_attention_config`.
 * :func:`write_json_atomic` - the ``--output`` artifact.
-* :func:`update_checkpoint_config` - merge the section into ``CKPT/config.json``.
+* :func:`update_checkpoint_config` - merge the section into ``CKPT/config.json``;
+  :func:`check_checkpoint_update` is its read-only pre-flight (run before vLLM
+  starts, so a section we would refuse does not waste a calibration) and
+  :func:`merge_section` the merge itself.
+
+Merging: the key ``sparse_attention_config`` is shared (MiniMax-M3 keeps its
+own sparse attention settings there), so a section that is not ModelOpt /
+TensorRT-LLM metadata (:func:`sparse_attn.config.is_modelopt_section`) is
+refused, never overwritten. In a ModelOpt section only the skip-softmax
+group's calibration is replaced; every other group (e.g. ModelOpt's N:M
+``sparse_softmax``) and every key we do not interpret is kept verbatim.
 
 Atomicity: content goes to a temporary file in the *same directory*, is
 flushed and fsync'ed, then ``os.replace``-d over the destination and the
@@ -22,6 +32,8 @@ start) calls it for the directory it writes into.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import os
 import re
@@ -38,7 +50,9 @@ from ..config import (
     SkipSoftmaxGroup,
     SparseAttentionConfig,
     SparseAttentionConfigError,
+    is_modelopt_section,
     parse_sparse_attention_config,
+    read_section,
 )
 from .errors import CalibrationError
 from .fit import FitResult
@@ -47,6 +61,8 @@ __all__ = [
     "PRODUCER_NAME",
     "ExportError",
     "build_sparse_attention_config",
+    "check_checkpoint_update",
+    "merge_section",
     "remove_stale_temp_files",
     "update_checkpoint_config",
     "write_json_atomic",
@@ -246,20 +262,84 @@ def write_json_atomic(path: str | Path, obj: Any) -> Path:
     return write_text_atomic(path, _dumps(obj))
 
 
-def update_checkpoint_config(ckpt_dir: str | Path, section: Mapping[str, Any]) -> Path:
-    """Set ``sparse_attention_config`` in ``ckpt_dir/config.json`` atomically.
+def _merge_refusal(cfg_path: Path, seen: str, expected: str) -> ExportError:
+    return ExportError(
+        f"refusing to update {cfg_path}: its {SECTION_KEY} is {seen}; expected {expected}. "
+        f"Fix: drop --update_checkpoint_config and merge the report written with --output into config.json by hand "
+        f"(or copy the checkpoint and remove the section from the copy first)"
+    )
 
-    Every other key is preserved, in its original order (an existing section is
-    replaced in place; a new one is appended). Refuses with :class:`ExportError`
-    when config.json is missing, not valid JSON, not an object, or the
-    directory is not writable. ``section`` is validated before anything is written.
+
+def merge_section(existing: Any, new: Mapping[str, Any], *, source: str = "config.json") -> dict[str, Any]:
+    """The section to write when ``existing`` (the current value, None when absent) meets ``new``
+    (one skip-softmax group, as :func:`build_sparse_attention_config` returns).
+
+    * absent: ``new``.
+    * not ModelOpt-shaped (MiniMax-M3's ``{"use_sparse_attention": true, ...}``,
+      a string, ...): :class:`ExportError`; it is the model's own setting.
+    * ModelOpt metadata without a skip-softmax group (e.g. only an N:M group):
+      every existing key kept verbatim, ``new``'s group added under a free name
+      after the others, ``producer`` set to ours.
+    * ModelOpt metadata with a skip-softmax group: that group keeps its name,
+      position, ``targets``/``ignore`` and unknown keys; its formula, curve and
+      ``target_sparsity`` become ``new``'s; other groups and unknown section
+      keys are kept verbatim; ``producer`` becomes ours (it names who made the
+      calibration that is now in the section). Legacy top-level
+      ``threshold_scale_factor`` / ``target_sparse_ratio`` belonged to the old
+      skip-softmax calibration and are dropped with it (left in place they
+      would shadow nothing but mislead a reader).
+    * a malformed skip-softmax group: :class:`ExportError` (we cannot tell what
+      of it to keep).
     """
-    ckpt = Path(ckpt_dir)
-    cfg_path = ckpt / "config.json"
+    cfg_path = Path(source)
     try:
-        parse_sparse_attention_config(section, source="section to export")
+        fresh = parse_sparse_attention_config(new, source="section to export")
     except SparseAttentionConfigError as exc:
         raise ExportError(f"refusing to write an invalid section into {cfg_path}: {exc}") from exc
+    if existing is None:
+        return json.loads(json.dumps(dict(new)))
+    if not is_modelopt_section(existing):
+        if isinstance(existing, Mapping):
+            keys = ", ".join(sorted(map(str, existing))[:6]) or "none"
+            seen = f"an object with keys {keys}, not ModelOpt metadata (the model's own settings, as MiniMax-M3 keeps there)"
+        else:
+            seen = f"a JSON {type(existing).__name__}, not ModelOpt metadata"
+        raise _merge_refusal(cfg_path, seen, "absent, or ModelOpt / TensorRT-LLM metadata (config_groups whose groups carry an algorithm)")
+    try:
+        current = read_section(existing, source=str(cfg_path)).config
+    except SparseAttentionConfigError as exc:
+        raise _merge_refusal(cfg_path, f"ModelOpt metadata with a malformed skip-softmax group ({exc})",
+                             "a valid skip-softmax group to replace") from None
+    if current is None:
+        # No skip-softmax group yet: add ours beside the others, touching nothing else.
+        merged = copy.deepcopy(dict(existing))
+        groups = merged["config_groups"]
+        name, number = fresh.group.name, 0
+        while name in groups:
+            number += 1
+            name = f"group_{number}"
+        groups[name] = next(iter(new["config_groups"].values()))
+        if "producer" in new:
+            merged["producer"] = new["producer"]
+        return json.loads(json.dumps(merged))
+    group = dataclasses.replace(
+        fresh.group,
+        name=current.group.name,
+        # Which layers are sparse is the checkpoint's decision (ModelOpt's export, or the
+        # user's edit), not calibration's: calibration counts every attention layer and
+        # only reports the classes it found (``targets``) and never decides an ``ignore``
+        # list. So the existing lists win; calibration's fill in only where the existing
+        # group had none (``targets`` absent means every attention layer, as ours does).
+        targets=current.group.targets or fresh.group.targets,
+        ignore=current.group.ignore or fresh.group.ignore,
+        extra=current.group.extra,
+    )
+    merged_cfg = dataclasses.replace(current, group=group, producer=fresh.producer or current.producer)
+    return json.loads(json.dumps(merged_cfg.to_dict()))
+
+
+def _read_checkpoint_config(ckpt: Path) -> tuple[Path, dict[str, Any]]:
+    cfg_path = ckpt / "config.json"
     if not ckpt.is_dir():
         raise ExportError(f"checkpoint directory {ckpt} does not exist. Fix: pass the model directory that holds config.json")
     try:
@@ -280,10 +360,56 @@ def update_checkpoint_config(ckpt_dir: str | Path, section: Mapping[str, Any]) -
         ) from None
     if not isinstance(data, dict):
         raise ExportError(f"{cfg_path} holds a JSON {type(data).__name__}, not an object; refusing to overwrite it")
+    return cfg_path, data
+
+
+def _require_writable(ckpt: Path) -> None:
     if not os.access(ckpt, os.W_OK):
         raise ExportError(
             f"checkpoint directory {ckpt} is not writable. Fix: run with write permission, copy the checkpoint, "
             f"or write the section with --output and merge it later"
         )
-    data[SECTION_KEY] = json.loads(json.dumps(dict(section)))  # plain JSON types, position kept if present
+
+
+def check_checkpoint_update(ckpt_dir: str | Path) -> None:
+    """Raise :class:`ExportError` if :func:`update_checkpoint_config` would refuse ``ckpt_dir``
+    for a reason known before calibrating (config.json missing or not an object, a foreign or
+    malformed ``sparse_attention_config``, an unwritable directory). Reads only; writes nothing."""
+    ckpt = Path(ckpt_dir)
+    cfg_path, data = _read_checkpoint_config(ckpt)
+    # The merge itself, against a stand-in for the section calibration will produce: whatever
+    # it refuses now (foreign or malformed section) it would refuse after calibrating.
+    merge_section(data.get(SECTION_KEY), _PROBE_SECTION, source=str(cfg_path))
+    _require_writable(ckpt)
+
+
+#: A valid one-group section, only for :func:`check_checkpoint_update` to reach the refusals.
+_PROBE_SECTION: Mapping[str, Any] = {
+    "config_groups": {"group_0": {"algorithm": "skip_softmax", "threshold_scale_factor": {
+        "formula": DEFAULT_FORMULA, "prefill": {"a": 1.0, "b": 1.0}}}},
+}
+
+
+def update_checkpoint_config(ckpt_dir: str | Path, section: Mapping[str, Any]) -> Path:
+    """Merge ``section`` into ``sparse_attention_config`` of ``ckpt_dir/config.json`` atomically.
+
+    Every other key of config.json is preserved, in its original order (an
+    existing section stays in its slot; a new one is appended). The section
+    itself is merged by :func:`merge_section`: a foreign section (not ModelOpt
+    metadata) is refused and the file left byte-identical; in a ModelOpt
+    section only the skip-softmax calibration is replaced. Refuses with
+    :class:`ExportError` when config.json is missing, not valid JSON, not an
+    object, or the directory is not writable. ``section`` is validated before
+    anything is read or written.
+    """
+    ckpt = Path(ckpt_dir)
+    cfg_path = ckpt / "config.json"
+    try:
+        parse_sparse_attention_config(section, source="section to export")
+    except SparseAttentionConfigError as exc:
+        raise ExportError(f"refusing to write an invalid section into {cfg_path}: {exc}") from exc
+    cfg_path, data = _read_checkpoint_config(ckpt)
+    merged = merge_section(data.get(SECTION_KEY), section, source=str(cfg_path))
+    _require_writable(ckpt)
+    data[SECTION_KEY] = merged  # position kept if present
     return write_text_atomic(cfg_path, _dumps(data))

@@ -162,7 +162,7 @@ def test_output_naming_a_directory_is_refused(ckpt, tmp_path, capsys):
     before = (ckpt / "config.json").read_text()
     code, msg = run(capsys, ckpt, "--output", tmp_path)
     assert code == 2 and f"--output {tmp_path} is a directory" in msg
-    assert_nothing_written(ckpt, tmp_path / "sparse_attention_config.json", before)
+    assert_nothing_written(ckpt, tmp_path / "sparse_attn_calibration.json", before)
 
 
 def test_plot_without_matplotlib_is_refused(ckpt, tmp_path, capsys, monkeypatch):
@@ -287,3 +287,55 @@ def test_calibrate_leaves_the_callers_environment_as_it_was(ckpt, tmp_path, caps
     assert kwargs["model"] == str(ckpt) and kwargs["max_model_len"] == 1024 and kwargs["gpu_memory_utilization"] == 0.5
     assert kwargs["enforce_eager"] is True and kwargs["enable_prefix_caching"] is False
     assert not (tmp_path / "out.json").exists()
+
+
+# --------------------------------------------------------------------------- #
+# issue 9.4: a section that is not ours, and the Qwen dual-chunk file, are refused before vLLM
+# --------------------------------------------------------------------------- #
+MINIMAX_CONFIG = """{
+  "architectures": ["MiniMaxM3ForCausalLM"],
+  "model_type": "minimax_m3",
+  "sparse_attention_config": {"use_sparse_attention": true, "sparse_topk_blocks": 16, "sparse_block_size": 64}
+}
+"""
+
+
+def test_update_checkpoint_config_refuses_a_minimax_section_before_vllm_starts(ckpt, tmp_path, capsys):
+    (ckpt / "config.json").write_text(MINIMAX_CONFIG)
+    before = (ckpt / "config.json").read_bytes()
+    out = tmp_path / "out.json"
+    # Synthetic data: had the check come later, the poisoned transformers import would fail first.
+    code, msg = run(capsys, ckpt, "--output", out, "--update_checkpoint_config")
+    assert code == 2
+    assert "--update_checkpoint_config: refusing to update" in msg and "sparse_topk_blocks" in msg
+    assert "expected absent, or ModelOpt / TensorRT-LLM metadata" in msg and "merge the report written with --output" in msg
+    assert (ckpt / "config.json").read_bytes() == before
+    assert not out.exists() and sorted(p.name for p in ckpt.iterdir()) == ["config.json"]
+
+
+@pytest.mark.parametrize("exists", [False, True], ids=["not-there-yet", "already-there"])
+def test_output_naming_the_qwen_dual_chunk_file_is_refused(ckpt, capsys, exists):
+    qwen = ckpt / "sparse_attention_config.json"
+    if exists:
+        qwen.write_text('{"sparse_attention_enabled": true}')
+    code, msg = run(capsys, ckpt, "--output", qwen)
+    assert code == 2
+    assert "Qwen dual-chunk attention" in msg and "dual_chunk_attention_config" in msg
+    assert "Fix: pass another path (the default is ./sparse_attn_calibration.json)" in msg
+    assert qwen.exists() == exists and (not exists or qwen.read_text() == '{"sparse_attention_enabled": true}')
+
+
+def test_relative_output_resolving_to_the_qwen_dual_chunk_file_is_refused(ckpt, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ckpt)
+    code, msg = run(capsys, ckpt, "--output", "./sparse_attention_config.json")
+    assert code == 2 and "Qwen dual-chunk attention" in msg
+    assert sorted(p.name for p in ckpt.iterdir()) == ["config.json"]
+
+
+def test_default_output_inside_the_checkpoint_passes_the_output_checks(ckpt, capsys, monkeypatch):
+    """Run from inside the checkpoint with the default --output: no collision with a file
+    the model loads, so the run gets past the output checks to the next one (here a bad length)."""
+    monkeypatch.chdir(ckpt)
+    code, msg = run(capsys, ckpt, "--max_model_len", 0)
+    assert code == 2 and "--max_model_len 0 must be a positive number of tokens" in msg, msg
+    assert sorted(p.name for p in ckpt.iterdir()) == ["config.json"]
