@@ -17,6 +17,11 @@ To add a release: add its tox factor (tests/matrix/requirements/), run it with
 PROBED = "probe"
 
 EXPECTED: dict[str, dict[str, tuple[str | None, str, str, str]]] = {
+    "vllm==0.15.1": {
+        "FLASHINFER": ("blocks-first", PROBED, "adapter", PROBED),
+        "FLASH_ATTN": ("kv-first", PROBED, "vllm", PROBED),
+        "CPU_ATTN": (None, PROBED, "adapter", PROBED),
+    },
     "vllm==0.22.1": {
         "FLASHINFER": ("blocks-first", PROBED, "vllm", PROBED),
         "FLASH_ATTN": ("kv-first", PROBED, "vllm", PROBED),
