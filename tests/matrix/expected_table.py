@@ -50,6 +50,11 @@ EXPECTED: dict[str, dict[str, tuple[str | None, str, str, str]]] = {
         "FLASH_ATTN": ("kv-first", PROBED, "vllm", PROBED),
         "CPU_ATTN": (None, PROBED, "adapter", PROBED),
     },
+    "vllm==0.21.0": {
+        "FLASHINFER": ("blocks-first", PROBED, "vllm", PROBED),
+        "FLASH_ATTN": ("kv-first", PROBED, "vllm", PROBED),
+        "CPU_ATTN": (None, PROBED, "adapter", PROBED),
+    },
     "vllm==0.22.1": {
         "FLASHINFER": ("blocks-first", PROBED, "vllm", PROBED),
         "FLASH_ATTN": ("kv-first", PROBED, "vllm", PROBED),
