@@ -139,13 +139,20 @@ def views(layout: KVLayout | str, kv_cache: torch.Tensor, head_size: int, *, isa
     return VIEW_FUNCTIONS[KVLayout(layout)](kv_cache, head_size, isa, context)
 
 
-def write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+          *, check: bool = True) -> None:
     """Store new tokens through logical ``[B, N, H, D]`` views, in place.
 
     ``key``/``value``: ``[T, H, D]``; ``slot_mapping``: ``[T]`` with slot
     ``s = block * N + offset``; negative slots are padding and are skipped,
     as in vLLM's own cache ops. Values must already be in the cache dtype
     (fp8 values may come as a float8 tensor into a ``uint8`` cache).
+
+    ``check=False`` reads no device data on the host (CUDA-graph capture): the
+    slot range is not checked, and padding rows are redirected to repeat the
+    first real row's write (the same slot and value, so duplicate indices
+    cannot race), or, in an all-padding batch, rewrite block 0 slot 0 with its
+    own value. Shapes stay fixed; nothing is synchronised.
     """
     num_blocks, block_size, num_heads, head_size = key_cache.shape
     for name, tensor in (("key", key), ("value", value)):
@@ -157,6 +164,18 @@ def write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value
     key, value = _as_cache_dtype(key, key_cache.dtype), _as_cache_dtype(value, value_cache.dtype)
     slots = slot_mapping.to(torch.long)
     keep = slots >= 0
+    if not check:
+        if slots.numel() == 0:
+            return
+        first = torch.argmax(keep.to(torch.int32))  # first real row (0 if none)
+        any_real = keep.any()
+        ref_slot = torch.where(any_real, slots[first], torch.zeros_like(slots[first]))
+        slots = torch.where(keep, slots, ref_slot)
+        blocks, offsets = slots // block_size, slots % block_size
+        for src, cache in ((key, key_cache), (value, value_cache)):
+            ref = torch.where(any_real, src[first], cache[0, 0])
+            cache[blocks, offsets] = torch.where(keep[:, None, None], src, ref)
+        return
     if not bool(keep.all()):
         slots, key, value = slots[keep], key[keep], value[keep]
     if slots.numel() == 0:

@@ -51,25 +51,10 @@ def _engine_kwargs(args, max_model_len: int) -> dict[str, Any]:
         raise CliError(f"--engine_kwargs must be a JSON object, got {type(extra).__name__}")
     from compat import launch
 
-    kwargs: dict[str, Any] = dict(
-        model=args.checkpoint,
-        dtype=args.dtype,
-        max_model_len=max_model_len,
-        tensor_parallel_size=args.tensor_parallel_size,
-        # Calibration measures attention as the model computes it: no CUDA graphs
-        # (eager), and no prefix cache that would hide a prompt's prefill.
-        enforce_eager=True,
-        enable_prefix_caching=False,
-        max_num_batched_tokens=max_model_len,
-        seed=args.seed,
-        **launch.engine_backend_kwargs(args.attention_backend),
+    return launch.calibration_engine_kwargs(
+        model=args.checkpoint, dtype=args.dtype, max_model_len=max_model_len, tensor_parallel_size=args.tensor_parallel_size,
+        seed=args.seed, backend=args.attention_backend, extra=extra,
     )
-    if launch.platform_is_cpu() and "kv_cache_memory_bytes" not in extra:
-        # vLLM's default memory fraction fails on CPU hosts; 1 GiB holds the
-        # calibration prompts of small and medium models.
-        kwargs["kv_cache_memory_bytes"] = 1 << 30
-    kwargs.update(extra)
-    return kwargs
 
 
 def _load_user_samples(args) -> list[CalibrationSample] | None:
@@ -135,7 +120,7 @@ def calibrate(args) -> int:
         raise CliError(str(exc)) from None
 
     from compat import launch
-    from sparse_attn.plugin import STATS_RPC
+    from sparse_attn.protocol import STATS_RPC
 
     os.environ.update(counting_mode_env(scales))
     os.environ.update(launch.cpu_tensor_parallel_env(args.tensor_parallel_size))

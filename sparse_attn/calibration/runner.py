@@ -10,15 +10,15 @@ with ``collective_rpc`` and summed before any ratio is taken.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from sparse_attn.calibration.data import CalibrationSample
 from sparse_attn.calibration.fit import FitPoint
+from sparse_attn.protocol import PHASES, calibration_env, merge_worker_counts
 
-PHASES = ("prefill", "decode")
+__all__ = ["PHASES", "Measurement", "candidate_scales", "counting_mode_env", "measure", "merge_worker_counts"]
 
 
 def candidate_scales(max_kv_len: int, num: int = 24, low: float = 1e-2, logspace: bool = True) -> list[float]:
@@ -43,20 +43,6 @@ class Measurement:
     layers_installed: list[int] = field(default_factory=list)
     layers_total: list[int] = field(default_factory=list)
     owner_classes: list[str] = field(default_factory=list)
-
-
-def merge_worker_counts(snapshots: Sequence[dict], num_scales: int) -> dict[str, tuple[list[int], list[int]]]:
-    """Sum the integer candidate counts of all workers: phase -> (skipped, visited), one per scale."""
-    merged = {}
-    for phase in PHASES:
-        columns = []
-        for key in ("candidate_skipped", "candidate_visited"):
-            per_worker = [s[key].get(phase, [0] * num_scales) for s in snapshots]
-            if any(len(counts) != num_scales for counts in per_worker):
-                raise ValueError(f"{phase}: workers reported {[len(c) for c in per_worker]} {key} entries, expected {num_scales} each")
-            columns.append([sum(int(c) for c in column) for column in zip(*per_worker)])
-        merged[phase] = (columns[0], columns[1])
-    return merged
 
 
 def measure(llm: Any, samples: Sequence[CalibrationSample], scales: Sequence[float], *, decode_tokens: int,
@@ -87,6 +73,4 @@ def measure(llm: Any, samples: Sequence[CalibrationSample], scales: Sequence[flo
 
 def counting_mode_env(scales: Sequence[float]) -> dict[str, str]:
     """Environment that puts every worker's adapters in counting mode (inherited by worker processes)."""
-    from sparse_attn.plugin import CALIBRATION_ENV
-
-    return {CALIBRATION_ENV: json.dumps(list(scales))}
+    return calibration_env(scales)

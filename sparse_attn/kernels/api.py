@@ -71,6 +71,8 @@ def paged_attention(
     out: torch.Tensor | None = None,
     impl: str = "auto",
     return_counts: bool = False,
+    max_query_len: int | None = None,
+    check: bool = True,
 ):
     """Varlen paged attention with skip-softmax (BLASST) tile skipping.
 
@@ -96,6 +98,9 @@ def paged_attention(
         out: optional ``[T, Hq, D]`` output buffer of the query's dtype.
         impl: ``"auto"`` (Triton for CUDA tensors, torch otherwise), ``"torch"``, ``"triton"``.
         return_counts: also return per-head tile counts.
+        max_query_len: host upper bound of the query lengths (sizes the launch grid without
+            reading ``query_start_loc``); accepted now, used by the capture-safe launch.
+        check: ``False`` lets the capture-safe launch skip the data-dependent checks.
 
     Returns:
         ``out`` ``[T, Hq, D]`` in the query dtype (fp32 accumulation), or with

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import compat
-from compat import runtime
+from compat import model as cmodel
 from sparse_attn.adapter import Policy, make_sparse
 from sparse_attn.stats import WorkerStats
 
@@ -26,7 +26,7 @@ SCALE = D ** -0.5
 
 @dataclass
 class Metadata:
-    """The fields CPU_ATTN / FLASH_ATTN metadata carry (compat.runtime reads them)."""
+    """The fields CPU_ATTN / FLASH_ATTN metadata carry (compat.model reads them)."""
 
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
@@ -102,39 +102,58 @@ def build_batch(gen, q_lens, kv_lens):
     return query, key, value, kv_cache, md
 
 
-def sparse_impl(threshold, stats):
-    info = runtime.LayerInfo(name="model.layers.0.self_attn.attn", owner_class="LlamaAttention", backend="CPU_ATTN", num_heads=HQ,
-                             num_kv_heads=HKV, head_size=D, scale=SCALE, kv_cache_dtype="auto", cpu_isa="vec", unsupported=())
-    impl = make_sparse(NativeImpl(), info, Policy(threshold=threshold, stats_interval_s=0), stats)
+INFO = cmodel.LayerInfo(name="model.layers.0.self_attn.attn", owner_class="LlamaAttention", backend="CPU_ATTN", num_heads=HQ,
+                        num_kv_heads=HKV, head_size=D, scale=SCALE, kv_cache_dtype="auto", cpu_isa="vec", unsupported=())
+
+
+def sparse_impl(scale_factors, stats, calibration_scales=None):
+    """A layer holding a NativeImpl, made sparse; returns (layer, impl, writes)."""
+    layer = types.SimpleNamespace(impl=NativeImpl(), isa="vec")
+    policy = Policy(scale_factors=scale_factors, calibration_scales=calibration_scales, stats_interval_s=0)
+    impl = make_sparse(layer, INFO, policy, stats)
+    assert layer.impl is impl
     writes = []
     real_writer = impl._sa_writer
     assert real_writer is compat.write_kv_cache, "with SPARSE_ATTN_CACHE_WRITER=adapter the forward path must write"
     impl._sa_writer = lambda *a, **k: (writes.append(a[3].clone()), real_writer(*a, **k))
-    return impl, writes
+    return layer, impl, writes
 
 
-LAYER = types.SimpleNamespace(isa="vec")
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Every serving-kernel launch of the adapter: (threshold, seq_lens), then the real kernel."""
+    import sparse_attn.adapter as adapter
+
+    calls = []
+    real = adapter.paged_attention
+
+    def recording(*args, **kwargs):
+        threshold = kwargs.get("threshold")
+        calls.append((threshold.tolist() if isinstance(threshold, torch.Tensor) else threshold, args[4].tolist()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(adapter, "paged_attention", recording)
+    return calls
 
 
-def test_mixed_batch_each_phase_gets_its_threshold_and_one_write():
+def test_mixed_batch_each_phase_gets_its_threshold_and_one_write(kernel_calls):
     gen = torch.Generator().manual_seed(0)
     # decode (kv 40), prefill chunk (kv 50, q 20), decode (kv 9): not sorted decode-first, as on CPU
     query, key, value, kv_cache, md = build_batch(gen, q_lens=[1, 20, 1], kv_lens=[40, 50, 9])
     stats = WorkerStats()
-    seen = []
-
-    def threshold(phase, kv_len):
-        seen.append((phase, kv_len))
-        return 1e-12 if phase == "decode" else None  # decode: sparse kernel, nothing negligible; prefill: uncalibrated
-
-    impl, writes = sparse_impl(threshold, stats)
+    decode_scale = 1e-10  # decode: sparse kernel, nothing negligible; prefill: uncalibrated
+    layer, impl, writes = sparse_impl({"decode": decode_scale, "prefill": None}, stats)
     output = torch.zeros_like(query)
-    result = impl.forward(LAYER, query, key, value, kv_cache, md, output)
+    result = impl.forward(layer, query, key, value, kv_cache, md, output)
 
     assert result is output
-    assert sorted(seen) == [("decode", 9), ("decode", 40), ("prefill", 50)]
+    # one launch per phase, lambda = scale / kv_len per sequence (fp32 in the kernel), prefill dense
+    assert sorted(kernel_calls, key=repr) == sorted([
+        ([decode_scale / 40, decode_scale / 9], [40, 9]),
+        (None, [50]),
+    ], key=repr)
     assert len(writes) == 1 and torch.equal(writes[0], md.slot_mapping[: md.num_actual_tokens])
-    assert impl.forward_calls == 0, "the native path must not run (it would write the cache a second time)"
+    assert layer.impl.forward_calls == 0, "the native path must not run (it would write the cache a second time)"
     n = md.num_actual_tokens
     torch.testing.assert_close(output[:n], dense(query[:n], kv_cache, md), rtol=1e-5, atol=1e-5)
     assert torch.equal(output[n:], torch.zeros_like(output[n:])), "padding rows are not attention output"
@@ -144,51 +163,129 @@ def test_mixed_batch_each_phase_gets_its_threshold_and_one_write():
     assert snap["phases"]["decode"]["visited"] > 0
 
 
+def test_uniform_decode_batch_lambdas_on_the_device_match_the_host_rule(kernel_calls):
+    gen = torch.Generator().manual_seed(5)
+    # kv 9 is at or below the scale (lambda >= 1): dense for that sequence only
+    query, key, value, kv_cache, md = build_batch(gen, q_lens=[1, 1, 1], kv_lens=[40, 9, 63])
+    stats = WorkerStats()
+    layer, impl, writes = sparse_impl({"decode": 12.0, "prefill": 3.0}, stats)
+    output = torch.zeros_like(query)
+    impl.forward(layer, query, key, value, kv_cache, md, output)
+    policy = impl._sa_policy
+    expected = [policy.lambda_for("decode", n) or 0.0 for n in (40, 9, 63)]
+    assert expected[1] == 0.0 and expected[0] > 0
+    (threshold, seq_lens), = kernel_calls
+    assert seq_lens == [40, 9, 63]
+    assert threshold == torch.tensor(expected, dtype=torch.float32).tolist()
+    assert len(writes) == 1 and layer.impl.forward_calls == 0
+    n = md.num_actual_tokens
+    torch.testing.assert_close(output[:n], dense(query[:n], kv_cache, md), rtol=1e-4, atol=1e-4)
+    snap = stats.snapshot()
+    assert snap["phases"]["decode"]["launches"] == 1 and snap["phases"]["decode"]["visited"] > 0
+    assert snap["phases"]["prefill"] == {k: 0 for k in snap["phases"]["prefill"]}
+
+
 def test_uncalibrated_launch_runs_native_and_native_writes():
     gen = torch.Generator().manual_seed(1)
     query, key, value, kv_cache, md = build_batch(gen, q_lens=[30], kv_lens=[30])
     stats = WorkerStats()
-    impl, writes = sparse_impl(lambda phase, kv_len: None, stats)
+    layer, impl, writes = sparse_impl({}, stats)
     output = torch.zeros_like(query)
-    impl.forward(LAYER, query, key, value, kv_cache, md, output)
-    assert impl.forward_calls == 1 and writes == []
+    impl.forward(layer, query, key, value, kv_cache, md, output)
+    assert layer.impl.forward_calls == 1 and writes == []
     assert stats.snapshot()["phases"]["prefill"]["native_launches"] == 1
 
 
-@pytest.mark.parametrize("lam", [1.0, 5.0, 0.0], ids=["lambda-1", "lambda-5", "lambda-0"])
-def test_degenerate_lambdas_stay_dense(lam):
+def test_uncalibrated_decode_batch_runs_native():
+    gen = torch.Generator().manual_seed(6)
+    query, key, value, kv_cache, md = build_batch(gen, q_lens=[1, 1], kv_lens=[30, 12])
+    stats = WorkerStats()
+    layer, impl, writes = sparse_impl({"prefill": 2.0}, stats)
+    impl.forward(layer, query, key, value, kv_cache, md, torch.zeros_like(query))
+    assert layer.impl.forward_calls == 1 and writes == []
+    assert stats.snapshot()["phases"]["decode"]["native_launches"] == 1
+
+
+# scale factor -> lambda at kv_len 60: 60 -> 1.0, 300 -> 5.0, 0 -> 0.0
+@pytest.mark.parametrize("scale", [60.0, 300.0, 0.0], ids=["lambda-1", "lambda-5", "lambda-0"])
+def test_degenerate_lambdas_in_prefill_run_native(scale):
+    gen = torch.Generator().manual_seed(2)
+    query, key, value, kv_cache, md = build_batch(gen, q_lens=[5], kv_lens=[60])
+    layer, impl, writes = sparse_impl({"prefill": scale, "decode": scale}, WorkerStats())
+    impl.forward(layer, query, key, value, kv_cache, md, torch.zeros_like(query))
+    assert layer.impl.forward_calls == 1 and writes == []
+
+
+@pytest.mark.parametrize("scale", [60.0, 300.0, 0.0], ids=["lambda-1", "lambda-5", "lambda-0"])
+def test_degenerate_lambdas_in_uniform_decode_run_dense_without_a_host_branch(scale, kernel_calls):
+    # The capture-safe decode path cannot branch on device data, so it does not hand
+    # an all-dense batch back to the native impl: the sparse kernel runs at lambda 0
+    # (nothing skipped) and the launch counts as dense.
     gen = torch.Generator().manual_seed(2)
     query, key, value, kv_cache, md = build_batch(gen, q_lens=[1], kv_lens=[60])
-    impl, writes = sparse_impl(lambda phase, kv_len: lam, WorkerStats())
-    impl.forward(LAYER, query, key, value, kv_cache, md, torch.zeros_like(query))
-    assert impl.forward_calls == 1 and writes == []
+    stats = WorkerStats()
+    layer, impl, writes = sparse_impl({"prefill": scale, "decode": scale}, stats)
+    output = torch.zeros_like(query)
+    impl.forward(layer, query, key, value, kv_cache, md, output)
+    assert layer.impl.forward_calls == 0 and len(writes) == 1
+    assert kernel_calls == [([0.0], [60])]
+    n = md.num_actual_tokens
+    torch.testing.assert_close(output[:n], dense(query[:n], kv_cache, md), rtol=1e-5, atol=1e-5)
+    decode = stats.snapshot()["phases"]["decode"]
+    assert decode == {"skipped": 0, "visited": 0, "launches": 0, "native_launches": 0, "dense_launches": 1}
 
 
 def test_profiling_run_without_metadata_is_native():
-    impl, writes = sparse_impl(lambda phase, kv_len: 0.5, WorkerStats())
+    layer, impl, writes = sparse_impl({"prefill": 0.5, "decode": 0.5}, WorkerStats())
     out = torch.zeros(4, HQ, D)
-    impl.forward(LAYER, torch.zeros(4, HQ, D), torch.zeros(4, HKV, D), torch.zeros(4, HKV, D), torch.zeros(B, HKV, N, 2 * D), None, out)
-    assert impl.forward_calls == 1 and writes == []
+    impl.forward(layer, torch.zeros(4, HQ, D), torch.zeros(4, HKV, D), torch.zeros(4, HKV, D), torch.zeros(B, HKV, N, 2 * D), None, out)
+    assert layer.impl.forward_calls == 1 and writes == []
+
+
+@pytest.mark.parametrize("extra", [
+    pytest.param({"output_scale": torch.ones(1)}, id="fused-output-quant"),
+    pytest.param({"output_block_scale": torch.ones(1)}, id="fused-block-quant"),
+    pytest.param({"future_keyword": 1}, id="unknown-keyword"),
+])
+def test_calls_the_sparse_path_cannot_serve_go_native_with_exactly_the_arguments(extra):
+    gen = torch.Generator().manual_seed(7)
+    query, key, value, kv_cache, md = build_batch(gen, q_lens=[1], kv_lens=[20])
+    layer, impl, writes = sparse_impl({"prefill": 0.5, "decode": 0.5}, WorkerStats())
+    received = []
+    original = NativeImpl.forward
+
+    def recording(self, *args, **kwargs):
+        received.append((args, kwargs))
+        kwargs = {k: v for k, v in kwargs.items() if k != "future_keyword"}
+        return original(self, *args, **kwargs)
+
+    NativeImpl.forward = recording
+    try:
+        impl.forward(layer, query, key, value, kv_cache, md, torch.zeros_like(query), **extra)
+    finally:
+        NativeImpl.forward = original
+    (args, kwargs), = received
+    assert args[0] is layer and args[5] is md and kwargs == extra
+    assert writes == []
 
 
 def test_non_causal_launch_is_native():
     gen = torch.Generator().manual_seed(3)
     query, key, value, kv_cache, md = build_batch(gen, q_lens=[5], kv_lens=[5])
     md.causal = False
-    impl, writes = sparse_impl(lambda phase, kv_len: 0.5, WorkerStats())
-    impl.forward(LAYER, query, key, value, kv_cache, md, torch.zeros_like(query))
-    assert impl.forward_calls == 1 and writes == []
+    layer, impl, writes = sparse_impl({"prefill": 0.5, "decode": 0.5}, WorkerStats())
+    impl.forward(layer, query, key, value, kv_cache, md, torch.zeros_like(query))
+    assert layer.impl.forward_calls == 1 and writes == []
 
 
 def test_counting_mode_keeps_outputs_dense_and_counts_per_candidate():
     gen = torch.Generator().manual_seed(4)
     query, key, value, kv_cache, md = build_batch(gen, q_lens=[40, 1], kv_lens=[40, 50])
     stats = WorkerStats()
-    info = runtime.LayerInfo("l", "LlamaAttention", "CPU_ATTN", HQ, HKV, D, SCALE, "auto", "vec", ())
     scales = (1e-3, 1.0, 30.0, 45.0)  # 45 / 40 >= 1: no data for that candidate at kv 40
-    impl = make_sparse(NativeImpl(), info, Policy(threshold=lambda p, k: None, calibration_scales=scales, stats_interval_s=0), stats)
+    layer, impl, _ = sparse_impl({}, stats, calibration_scales=scales)
     output = torch.zeros_like(query)
-    impl.forward(LAYER, query, key, value, kv_cache, md, output)
+    impl.forward(layer, query, key, value, kv_cache, md, output)
     n = md.num_actual_tokens
     torch.testing.assert_close(output[:n], dense(query[:n], kv_cache, md), rtol=1e-5, atol=1e-5)
     snap = stats.snapshot()
@@ -199,5 +296,5 @@ def test_counting_mode_keeps_outputs_dense_and_counts_per_candidate():
 
 
 def test_sparse_impl_is_still_an_instance_of_the_native_class():
-    impl, _ = sparse_impl(lambda p, k: None, WorkerStats())
+    layer, impl, _ = sparse_impl({}, WorkerStats())
     assert isinstance(impl, NativeImpl) and impl.forward_calls == 0
