@@ -167,13 +167,14 @@ def write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value
     if not check:
         if slots.numel() == 0:
             return
-        first = torch.argmax(keep.to(torch.int32))  # first real row (0 if none)
+        # index_select with a [1] index tensor: indexing by a 0-d tensor would read it on the host.
+        first = torch.argmax(keep.to(torch.int32)).view(1)  # first real row (0 if none)
         any_real = keep.any()
-        ref_slot = torch.where(any_real, slots[first], torch.zeros_like(slots[first]))
+        ref_slot = torch.where(any_real, slots.index_select(0, first), torch.zeros_like(first))
         slots = torch.where(keep, slots, ref_slot)
         blocks, offsets = slots // block_size, slots % block_size
         for src, cache in ((key, key_cache), (value, value_cache)):
-            ref = torch.where(any_real, src[first], cache[0, 0])
+            ref = torch.where(any_real, src.index_select(0, first), cache[0, 0])
             cache[blocks, offsets] = torch.where(keep[:, None, None], src, ref)
         return
     if not bool(keep.all()):

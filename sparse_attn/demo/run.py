@@ -10,7 +10,7 @@ Stages (each prints a progress line and its wall time; every log goes to ``--wor
 3. **sparse**     a fresh ``sparse-attn serve`` (OpenAI HTTP server) on the calibrated checkpoint;
                   held-out long prompts are sent concurrently (prefill of many KV tiles, then
                   decode steps); the achieved per-phase sparsity comes from the workers'
-                  counters (``POST /collective_rpc`` ``sparse_attn_stats``).
+                  counters (the ``protocol.STATS_RPC`` worker method through the server's RPC route).
 4. **dense**      the same server command with ``SPARSE_ATTN_DISABLE=1`` (the plugin stays out,
                   vLLM's own CPU attention runs): the same requests give the dense reference
                   tokens. Same engine, same scheduler, same sampling: the only difference is

