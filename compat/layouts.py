@@ -6,7 +6,7 @@ each a zero-copy *logical* ``[B, N, H, D]`` view sharing storage with the cache,
 whatever stride order (NHD/HND, LBNHC/LBHNC, ...) the release allocated it in:
 only the logical axis order is fixed by a layout, strides are read from the tensor.
 
-Layouts and the releases that use them (see ``../shared/vllm-facts.md``):
+Layouts and the releases that use them (each row proven per release by ``tests/matrix``):
 
 * ``blocks-first`` ``[B, 2, N, H, D]``: axis 1 selects K (0) or V (1).
   FlashInfer up to 0.25; FlashAttention 0.23-0.25.

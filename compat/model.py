@@ -242,7 +242,7 @@ def capture_batches(backend_cls: Any) -> str | None:
     Returns ``None`` when attached, else why it cannot attach (no backend, no
     builder, a ``build`` that is not a function, fully slotted metadata). The
     wrapped ``build(self, common_prefix_len, common_attn_metadata, ...)`` has
-    this signature in every release from 0.18.1 to 0.33.0 (vllm-facts §3).
+    this signature in every release from 0.18.1 to 0.33.0 (read from each release's sources).
     """
     if backend_cls is None or not hasattr(backend_cls, "get_builder_cls"):
         return "the layer has no attention backend with a metadata builder"
