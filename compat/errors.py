@@ -60,7 +60,9 @@ class CompatError(Exception):
         if self.expected is not None:
             parts.append(f"expected {self.expected}")
         known = self.vllm_version or self.version_known
-        parts.append(describe_version(self.vllm_version) if known else "vLLM not imported in this process")
+        version = describe_version(self.vllm_version) if known else "vLLM not imported in this process"
+        if version not in self.what:  # a context string may already name it
+            parts.append(version)
         text = "; ".join(parts) + "."
         if self.fix:
             text += f" Fix: {self.fix}"
