@@ -132,8 +132,11 @@ class WorkerStats:
                 self.phases = {p: PhaseCounts() for p in PHASES}
                 self.candidate_skipped.clear()
                 self.candidate_visited.clear()
-                for total in self.device_counts.values():
-                    total.zero_()
+                # vLLM runs forwards under torch.inference_mode(), so the accumulators
+                # are inference tensors: updating them in place needs that mode too.
+                with torch.inference_mode():
+                    for total in self.device_counts.values():
+                        total.zero_()
                 self.adapter_calls = 0
             return data
 

@@ -86,8 +86,9 @@ def test_phase_totals_sum_over_workers():
 def test_snapshot_has_the_protocol_keys_and_device_counts_add_in():
     stats = WorkerStats()
     stats.add("prefill", 3, 10)
-    stats.add_device("decode", torch.tensor([2, 8, 1, 0, 0]))
-    stats.add_device("decode", torch.tensor([1, 8, 1, 0, 0]))
+    with torch.inference_mode():  # as vLLM runs forwards: the accumulator is an inference tensor
+        stats.add_device("decode", torch.tensor([2, 8, 1, 0, 0]))
+        stats.add_device("decode", torch.tensor([1, 8, 1, 0, 0]))
     stats.set_install({"installed": 2, "total": 2, "backends": ["CPU_ATTN"]}, ("LlamaAttention",))
     snap = stats.snapshot(reset=True)
     assert set(snap) | {"rank"} == set(protocol.SNAPSHOT_KEYS)
