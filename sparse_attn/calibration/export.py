@@ -1,8 +1,9 @@
 """Build the ``sparse_attention_config`` section and write it atomically.
 
-* :func:`build_sparse_attention_config` - section dict from per-phase fits,
-  targets and producer info, validated by parsing it back with
-  :func:`sparse_attn.config.parse_sparse_attention_config`.
+* :func:`build_sparse_attention_config` - the one writer of the format: a
+  :class:`~sparse_attn.config.SparseAttentionConfig` built from per-phase fits,
+  targets and producer info, serialised by its ``to_dict()`` and validated by
+  parsing it back with :func:`sparse_attn.config.parse_sparse_attention_config`.
 * :func:`write_json_atomic` - the ``--output`` artifact.
 * :func:`update_checkpoint_config` - merge the section into ``CKPT/config.json``.
 
@@ -11,23 +12,42 @@ flushed and fsync'ed, then ``os.replace``-d over the destination and the
 directory is fsync'ed. A reader (or a crash/kill at any point) sees either
 the old file or the new one, never a torn mix; on any failure the temporary
 file is removed and the original is left untouched.
+
+Temporary files are named ``.<name>.sparse-attn-<pid>.<random>.tmp``, so a
+process killed with SIGKILL (which no ``finally`` survives) leaves litter that
+can be recognised and attributed: :func:`remove_stale_temp_files` deletes the
+ones whose process is gone, and every write (and ``sparse-attn calibrate`` at
+start) calls it for the directory it writes into.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..config import DEFAULT_FORMULA, PHASES, SECTION_KEY, PhaseFit, SparseAttentionConfigError, parse_sparse_attention_config
-from .fit import CalibrationError, FitResult
+from ..config import (
+    DEFAULT_FORMULA,
+    PHASES,
+    SECTION_KEY,
+    PhaseFit,
+    Producer,
+    SkipSoftmaxGroup,
+    SparseAttentionConfig,
+    SparseAttentionConfigError,
+    parse_sparse_attention_config,
+)
+from .errors import CalibrationError
+from .fit import FitResult
 
 __all__ = [
     "PRODUCER_NAME",
     "ExportError",
     "build_sparse_attention_config",
+    "remove_stale_temp_files",
     "update_checkpoint_config",
     "write_json_atomic",
     "write_text_atomic",
@@ -69,14 +89,18 @@ def build_sparse_attention_config(
     *,
     target_classes: list[str] | tuple[str, ...] | None = None,
     ignore: list[str] | tuple[str, ...] | None = None,
+    producer_name: str = PRODUCER_NAME,
     producer_version: str | None = None,
     group_name: str = "group_0",
 ) -> dict[str, Any]:
     """The ``sparse_attention_config`` section for ``fits`` (phase -> fit).
 
-    ``targets`` defaults to each ``FitResult.target_sparsity``. Phases absent
-    from ``fits`` are omitted (they run dense). The result is validated with
-    the same parser the runtime uses; a bad value raises ``SparseAttentionConfigError``.
+    The one writer of the format: it builds a :class:`SparseAttentionConfig`
+    and returns its ``to_dict()``, then parses that back with the runtime's
+    parser, so a bad value raises ``SparseAttentionConfigError`` here rather
+    than at serve time. ``targets`` defaults to each ``FitResult.target_sparsity``.
+    Phases absent from ``fits`` are omitted (they run dense). ``producer_version``
+    defaults to the installed sparse-attn version.
     """
     if not fits:
         raise ExportError("no phase was calibrated; nothing to export (calibrate at least prefill or decode)")
@@ -87,24 +111,19 @@ def build_sparse_attention_config(
     for phase, fit in fits.items():
         if phase not in targets and isinstance(fit, FitResult):
             targets[phase] = fit.target_sparsity
-    tsf: dict[str, Any] = {"formula": DEFAULT_FORMULA}
-    for phase in PHASES:
-        if phase in fits:
-            tsf[phase] = _coefficients(fits[phase])
-    group: dict[str, Any] = {"algorithm": "skip_softmax"}
-    if target_classes:
-        group["targets"] = sorted(set(target_classes))
-    if ignore:
-        group["ignore"] = list(ignore)
-    group["threshold_scale_factor"] = tsf
-    tgt = {p: float(targets[p]) for p in PHASES if p in targets and p in fits}
-    if tgt:
-        group["target_sparsity"] = tgt
-    version = producer_version if producer_version is not None else _package_version()
-    producer: dict[str, Any] = {"name": PRODUCER_NAME}
-    if version is not None:
-        producer["version"] = version
-    section = {"config_groups": {group_name: group}, "producer": producer}
+    coefficients = {p: _coefficients(fits[p]) for p in PHASES if p in fits}
+    config = SparseAttentionConfig(
+        group=SkipSoftmaxGroup(
+            name=group_name,
+            targets=tuple(sorted(set(target_classes or ()))),
+            ignore=tuple(ignore or ()),
+            formula=DEFAULT_FORMULA,
+            fits={p: PhaseFit(a=c["a"], b=c["b"]) for p, c in coefficients.items()},
+            target_sparsity={p: float(targets[p]) for p in PHASES if p in targets and p in fits},
+        ),
+        producer=Producer(name=producer_name, version=producer_version if producer_version is not None else _package_version()),
+    )
+    section = config.to_dict()
     parse_sparse_attention_config(section, source="calibration result")  # validate
     return section
 
@@ -125,6 +144,51 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+#: Marks our temporary files; the pid after it names the process that made one.
+TEMP_TAG = "sparse-attn"
+_TEMP_NAME = re.compile(r"^\..+\." + re.escape(TEMP_TAG) + r"-(?P<pid>[0-9]+)\.[^./]+\.tmp$")
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    except OSError:
+        return True  # cannot tell: keep the file
+    return True
+
+
+def remove_stale_temp_files(directory: str | Path) -> list[Path]:
+    """Delete temporary files that a killed sparse-attn process left in ``directory``.
+
+    Only names this module creates (``.<name>.sparse-attn-<pid>.<random>.tmp``) whose
+    ``pid`` is no longer running are removed; anything else is left alone, including
+    the in-flight temp files of a live process. Returns the paths removed.
+    """
+    removed = []
+    try:
+        entries = list(Path(directory).iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _TEMP_NAME.match(entry.name)
+        if match is None or _pid_alive(int(match["pid"])):
+            continue
+        try:
+            entry.unlink()
+        except FileNotFoundError:
+            continue
+        except OSError:
+            continue  # not ours to force (permissions); leave it
+        removed.append(entry)
+    return removed
+
+
 def write_text_atomic(path: str | Path, text: str, *, mode: int | None = None) -> Path:
     """Replace ``path`` with ``text`` atomically (temp file in the same dir, fsync, rename, fsync dir).
 
@@ -142,8 +206,9 @@ def write_text_atomic(path: str | Path, text: str, *, mode: int | None = None) -
             umask = os.umask(0)
             os.umask(umask)
             mode = 0o644 & ~umask
+    remove_stale_temp_files(directory)
     try:
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.{TEMP_TAG}-{os.getpid()}.", suffix=".tmp", dir=directory)
     except OSError as exc:
         raise ExportError(
             f"cannot write {path}: directory {directory} is not writable ({exc.strerror or exc}). "

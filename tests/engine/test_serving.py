@@ -29,7 +29,7 @@ def native_tokens(tiny_checkpoint, tmp_path_factory):
     report, log = generate(tiny_checkpoint, tmp_path_factory.mktemp("native"), "native")
     assert "has no sparse_attention_config in config.json; vLLM attention left native" in log
     assert report["stats"][0]["layers_installed"] == 0
-    assert report["stats"][0]["install"]["reason"] == "no sparse_attention_config"
+    assert report["stats"][0]["install"]["reason"] == "no skip-softmax sparse_attention_config"
     return report["tokens"]
 
 

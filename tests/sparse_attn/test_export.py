@@ -239,3 +239,50 @@ def test_unwritable_directory_real_chmod(ckpt, section):
         assert json.loads((ckpt / "config.json").read_text()) == ORIGINAL
     finally:
         os.chmod(ckpt, 0o755)
+
+
+KILLED_WRITER = """
+import os, sys, time
+from sparse_attn.calibration import export
+export.os.fsync = lambda fd: time.sleep(120)  # hold the temp file open until SIGKILL
+export.write_json_atomic(sys.argv[1], {"x": 1})
+"""
+
+
+def test_sigkill_mid_write_leaves_a_temp_file_the_next_write_removes(ckpt, section):
+    """A real kill -9 (no finally runs): the litter is attributable to the dead pid
+    and the next write into the directory removes it; the original is intact."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    before = (ckpt / "config.json").read_bytes()
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(ckpt / "config.json")], cwd=repo,
+                            env={**os.environ, "PYTHONPATH": str(repo)})
+    try:
+        deadline = time.monotonic() + 60
+        while not _tmp_leftovers(ckpt) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        left = _tmp_leftovers(ckpt)
+        assert len(left) == 1 and left[0].startswith(f".config.json.{export.TEMP_TAG}-{proc.pid}."), left
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert _tmp_leftovers(ckpt) == left  # SIGKILL: nothing cleaned up
+    assert (ckpt / "config.json").read_bytes() == before
+    update_checkpoint_config(ckpt, section)
+    assert _tmp_leftovers(ckpt) == []
+    assert json.loads((ckpt / "config.json").read_text())["sparse_attention_config"] == section
+
+
+def test_stale_cleanup_keeps_live_and_foreign_files(tmp_path):
+    mine = tmp_path / f".out.json.{export.TEMP_TAG}-{os.getpid()}.x1.tmp"
+    foreign = tmp_path / ".out.json.x2.tmp"
+    other_tool = tmp_path / f".out.json.other-{os.getpid()}.x3.tmp"
+    for p in (mine, foreign, other_tool):
+        p.write_text("")
+    assert export.remove_stale_temp_files(tmp_path) == []
+    assert all(p.exists() for p in (mine, foreign, other_tool))
