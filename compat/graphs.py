@@ -20,7 +20,7 @@ with vLLM's default ``FULL_AND_PIECEWISE`` decode batches stay in full graphs, a
 runs eagerly. ``SPARSE_ATTN_CUDAGRAPH=never`` declares NEVER: vLLM then drops full graphs (PIECEWISE).
 
 WHY installing after ``load_model`` works: the plugin installs from its hook on ``Worker.load_model``
-(``compat.runtime.on_model_loaded``); the engine calls ``determine_available_memory`` (whose
+(``compat.worker.on_model_loaded``); the engine calls ``determine_available_memory`` (whose
 ``profile_cudagraph_memory`` builds a minimal KV cache and so resolves the mode once) and then
 ``initialize_from_config`` -> ``initialize_kv_cache`` only after every worker loaded its model, and both
 runners call ``get_cudagraph_support`` there (v1 on the class, v2 on a builder instance), each time, and

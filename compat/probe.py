@@ -10,9 +10,12 @@ Each fact is decided in this order, and the deciding step is recorded:
    backend attribute ``forward_includes_kv_cache_update`` (documented default True);
 3. ``table`` -- ``RELEASE_TABLE``, only when no capability answers.
 
-The probe runs once per process (``probe()`` caches it) and has no side
-effects: it creates no CUDA context, sets no vLLM config and only allocates a
-few hundred bytes on the CPU. ``reset_for_tests()`` is the only way to rerun it.
+The probe runs once per process, on first use (``compat.probe()`` caches it;
+importing ``compat`` does not probe), and ``reset_for_tests()`` is the only way
+to rerun it. It creates no CUDA context and sets no vLLM config, but it is not
+free: it imports vLLM's backend registry and every served backend module
+(seconds per process; ``tests/matrix/FINDINGS.md`` measured 7.6-9.9 s), and on
+0.29+ it lets vLLM view a CPU buffer of ``SENTINEL`` size (about 170 KB).
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ SENTINEL = types.MappingProxyType({"num_blocks": 11, "block_size": 32, "num_kv_h
 
 #: Last resort, per release range: only consulted when neither the shape method
 #: nor the KV-cache view construction can be called. Rows were read from each
-#: release's backend sources (``../shared/vllm-facts.md``, tables A and B);
+#: release's backend sources (checked per release by ``tests/matrix``);
 #: ``None`` = a layout the catalogue does not describe.
 RELEASE_TABLE: tuple[tuple[str, str, dict[str, KVLayout | None]], ...] = (
     ("0.26", "9999", {"FLASHINFER": KVLayout.PACKED, "FLASH_ATTN": KVLayout.PACKED, "CPU_ATTN": KVLayout.CPU_PACKED}),

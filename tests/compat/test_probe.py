@@ -104,8 +104,10 @@ def test_backend_import_failure_is_reported_not_raised(install_stub):
     fi = report.backends["FLASHINFER"]
     assert not fi.importable and "flashinfer" in fi.import_error and fi.layout is None
     assert report.backends["FLASH_ATTN"].layout is KVLayout.PACKED
-    with pytest.raises(compat.UnsupportedLayoutError, match="FLASHINFER.*0.28.0.*flashinfer"):
+    with pytest.raises(compat.UnsupportedLayoutError, match="FLASHINFER.*flashinfer.*0.28.0") as info:
         compat.kv_cache_views(torch.zeros(2, 3, 16, 16), head_size=8, backend="FLASHINFER")
+    assert info.value.vllm_version == "0.28.0" and "SPARSE_ATTN_KV_LAYOUT=FLASHINFER=" in info.value.fix
+    assert info.value.observed == "cache shape [2, 3, 16, 16]"
 
 
 def test_without_registry_fixed_class_paths_are_used(install_stub):
