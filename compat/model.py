@@ -27,6 +27,7 @@ from typing import Any, Iterator
 
 import torch
 
+from compat import graphs
 from compat.errors import CompatError
 
 logger = logging.getLogger("compat")
@@ -148,15 +149,33 @@ def layer_cpu_isa(layer: Any) -> str | None:
 
 
 def prepare_layer(layer: Any, info: LayerInfo) -> LayerInfo:
-    """Make ``layer``'s batches describable; returns ``info``, or a copy whose
-    ``unsupported`` says why its batches cannot be described (then the layer
-    must stay native: no launch fails in the middle of serving)."""
-    if not info.needs_batch_capture:
-        return info
-    reason = capture_batches(getattr(layer, "attn_backend", None))
-    if reason is None:
-        return info
-    return dataclasses.replace(info, unsupported=(*info.unsupported, f"batch capture: {reason}"))
+    """Prepare ``layer`` to be served sparse; returns ``info``, or a copy whose
+    ``unsupported`` says why it must stay native (then no launch fails in the
+    middle of serving).
+
+    Two things happen here, once per backend class (both are idempotent):
+
+    * its metadata builder declares at most ``compat.graphs.SPARSE_LEVEL`` of
+      CUDA-graph support (``compat.graphs.restrict_cudagraph_support``), so vLLM
+      never captures a sparse prefill or mixed batch, whose launch reads batch
+      metadata on the host. vLLM resolves the mode from every backend's answer in
+      ``initialize_kv_cache``, after the ``load_model`` hook that calls this;
+    * where the backend keeps batch fields only in the common metadata its builder
+      receives (``needs_batch_capture``), the builder is made to keep them.
+    """
+    backend_cls = getattr(layer, "attn_backend", None)
+    if info.needs_batch_capture:
+        reason = capture_batches(backend_cls)
+        if reason is not None:
+            return dataclasses.replace(info, unsupported=(*info.unsupported, f"batch capture: {reason}"))
+    if backend_cls is not None:
+        try:
+            graphs.restrict_cudagraph_support(backend_cls)
+        except Exception as exc:  # noqa: BLE001 - the layer stays native, with the reason
+            return dataclasses.replace(
+                info, unsupported=(*info.unsupported, f"CUDA-graph support cannot be declared ({type(exc).__name__}: {exc})")
+            )
+    return info
 
 
 # --------------------------------------------------------------------------- batches

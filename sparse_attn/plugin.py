@@ -16,7 +16,7 @@ import logging
 from typing import Any
 
 import compat
-from compat import envs
+from compat import envs, graphs
 from compat import model as cmodel
 from compat import worker as cworker
 from sparse_attn.adapter import Policy, make_sparse
@@ -172,6 +172,7 @@ def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, ra
         "mode": "calibration (counting, dense outputs)" if policy.calibration_scales else "serving",
         "targets": list(config.group.targets) if config else ["all (calibration)"],
         "native": reasons,
+        "cuda_graphs": {b: d.describe() for b, d in graphs.installed().items() if b in backends},
     }
     STATS.set_install(summary, tuple(sorted(owners)))
     logger.info(

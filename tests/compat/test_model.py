@@ -218,3 +218,58 @@ def test_cascade_flag_goes_native():
     md = direct([1], [5])
     md.use_cascade = True
     assert model.describe_batch(md).native_only == "cascade attention"
+
+
+# --------------------------------------------------------------------------- CUDA-graph declaration
+def _graph_backend(level: str):
+    """A FlashAttention-like backend: its builder's classmethod returns a class attribute."""
+    import enum
+
+    support = enum.Enum("AttentionCGSupport", {"NEVER": 0, "UNIFORM_SINGLE_TOKEN_DECODE": 1, "UNIFORM_BATCH": 2, "ALWAYS": 3})
+
+    class Builder:
+        _cudagraph_support = support[level]
+
+        @classmethod
+        def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
+            return cls._cudagraph_support
+
+    backend = type("FakeFlashAttentionBackend", (), {"get_name": staticmethod(lambda: "FLASH_ATTN"),
+                                                     "get_builder_cls": staticmethod(lambda: Builder)})
+    return backend, Builder
+
+
+@pytest.mark.parametrize("native, declared", [
+    pytest.param("ALWAYS", "UNIFORM_SINGLE_TOKEN_DECODE", id="fa3-always-capped"),
+    pytest.param("UNIFORM_BATCH", "UNIFORM_SINGLE_TOKEN_DECODE", id="fa2-uniform-batch-capped"),
+    pytest.param("NEVER", "NEVER", id="never-stays-never"),
+])
+def test_prepare_layer_caps_the_backends_cuda_graph_support(native, declared):
+    from compat import graphs
+
+    backend, builder = _graph_backend(native)
+    layer = fake_layer()
+    layer.attn_backend = backend
+    try:
+        info = model.describe_layer(layer, "l")
+        assert model.prepare_layer(layer, info) is info
+        assert model.prepare_layer(layer, info) is info  # idempotent
+        assert builder.get_cudagraph_support(None, None).name == declared
+        assert graphs.installed()["FLASH_ATTN"].installed
+    finally:
+        graphs.reset_for_tests()
+    assert builder.get_cudagraph_support(None, None).name == native, "reset restores vLLM's own answer"
+
+
+def test_a_backend_that_declares_nothing_keeps_the_layer_and_warns_once(caplog):
+    from compat import graphs
+
+    layer = fake_layer()  # its backend has no get_builder_cls at all
+    try:
+        with caplog.at_level("WARNING", logger="compat"):
+            for _ in range(3):
+                info = model.describe_layer(layer, "l")
+                assert model.prepare_layer(layer, info) is info
+        assert len([r for r in caplog.records if "cannot declare" in r.getMessage()]) == 1
+    finally:
+        graphs.reset_for_tests()
