@@ -403,3 +403,52 @@ def test_the_no_host_read_harness_catches_the_eager_path():
         impl.forward(layer, torch.empty(3, HQ, D, device="meta"), torch.empty(3, HKV, D, device="meta"),
                      torch.empty(3, HKV, D, device="meta"), torch.empty(B, HKV, N, 2 * D, device="meta"), md,
                      torch.empty(3, HQ, D, device="meta"))
+
+
+@pytest.mark.parametrize("style", ["flashinfer-captured", "flash-attn-direct"])
+def test_uniform_decode_forward_reads_no_device_data_down_to_the_kernel_launch(style, monkeypatch):
+    """The proof above, one level deeper: the real kernel entry runs too, as on a GPU
+    (``impl="triton"``, what ``"auto"`` picks for CUDA tensors), including the Triton
+    launch preparation (grid, per-program arrays, strides); only ``triton_impl.launch``,
+    the one call that needs a GPU, is a recorder checking the prepared arguments."""
+    pytest.importorskip("triton")
+    import functools
+
+    import sparse_attn.adapter as adapter
+    from compat import model as cmodel
+    from sparse_attn.kernels import api, triton_impl
+
+    backend = "FLASHINFER" if style == "flashinfer-captured" else "FLASH_ATTN"
+    monkeypatch.setenv("SPARSE_ATTN_KV_LAYOUT", f"{backend}=packed")
+    compat.reset_for_tests()
+    layer_info = dataclasses.replace(INFO, backend=backend, cpu_isa=None, needs_batch_capture=style == "flashinfer-captured")
+    if layer_info.needs_batch_capture:
+        monkeypatch.setattr(_FlashInferBuilder, "build", _FlashInferBuilder.build)  # undo the wrapper afterwards
+        assert cmodel.prepare_layer(types.SimpleNamespace(impl=NativeImpl(), attn_backend=_FLASHINFER), layer_info) is layer_info
+    plans = []
+
+    def record(plan):
+        for call in plan.calls:
+            assert all(isinstance(g, int) and g >= 1 for g in call.grid), call.grid
+            for arg in call.args:
+                if isinstance(arg, torch.Tensor):
+                    assert arg.device.type == "meta", "a host-made tensor would be mixed into a device launch"
+                else:
+                    assert isinstance(arg, (int, float)) and not isinstance(arg, bool), type(arg)
+        plans.append(plan)
+
+    monkeypatch.setattr(triton_impl, "launch", record)
+    monkeypatch.setattr(adapter, "paged_attention", functools.partial(api.paged_attention, impl="triton"))
+    stats = WorkerStats()
+    layer = types.SimpleNamespace(impl=NativeImpl())
+    impl = make_sparse(layer, layer_info, Policy(scale_factors={"decode": 12.0, "prefill": 3.0}, stats_interval_s=0), stats)
+    padded = 6
+    md = _decode_metadata(style, "meta", [40, 9, 63, 0], 2, padded)
+    f16 = dict(dtype=torch.float16, device="meta")
+    query, key, value = torch.empty(padded, HQ * D, **f16), torch.empty(padded, HKV, D, **f16), torch.empty(padded, HKV, D, **f16)
+    out = torch.empty(padded, HQ * D, **f16)
+    assert impl.forward(layer, query, key, value, torch.empty(B, HKV, N, 2 * D, **f16), md, out) is out
+    assert len(plans) == 1 and plans[0].calls, "the launch was prepared and handed to the recorder"
+    assert layer.impl.forward_calls == 0
+    (phase, _device), = stats.device_counts
+    assert phase == "decode"
