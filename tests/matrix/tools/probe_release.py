@@ -280,6 +280,24 @@ def analyse_update(impl_cls) -> dict:
     return out
 
 
+def forward_cache_ops(impl_cls) -> list[str]:
+    """How the real ``forward`` splits ``kv_cache`` into K and V (AST of its source): every call
+    made on ``kv_cache`` itself, e.g. ``kv_cache.chunk(2, dim=2)``. Where ``forward`` writes the cache
+    (no ``do_kv_cache_update``) this is the only record of the page format the release uses."""
+    src = _source_of(getattr(impl_cls, "forward", None))
+    if src is None:
+        return []
+    out = []
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            base = node.func.value
+            while isinstance(base, (ast.Call, ast.Attribute)):
+                base = base.func if isinstance(base, ast.Call) else base.value
+            if isinstance(base, ast.Name) and base.id == "kv_cache":
+                out.append(ast.unparse(node)[:120])
+    return out
+
+
 def resolve_patch_target(module, dotted: str):
     """(owner object, attribute) that the backend module looks `dotted` up through."""
     parts = dotted.split(".")
@@ -706,6 +724,7 @@ def probe_backend(name: str, views_present: bool) -> dict:
         return out
     analysis = analyse_update(impl_cls)
     out["do_kv_cache_update"] = analysis
+    out["forward_cache_ops"] = forward_cache_ops(impl_cls)
     hs, nkv = s["head_size"], s["num_kv_heads"]
     try:
         impl, info = build_impl(impl_cls, hs, nkv)
