@@ -27,6 +27,11 @@ EXPECTED: dict[str, dict[str, tuple[str | None, str, str, str]]] = {
         "FLASH_ATTN": ("blocks-first", PROBED, "vllm", PROBED),
         "CPU_ATTN": ("cpu-packed", PROBED, "vllm", PROBED),
     },
+    "vllm==0.26.0": {
+        "FLASHINFER": ("packed", PROBED, "vllm", PROBED),
+        "FLASH_ATTN": ("packed", PROBED, "vllm", PROBED),
+        "CPU_ATTN": ("cpu-packed", PROBED, "vllm", PROBED),
+    },
     "vllm==0.27.1": {
         "FLASHINFER": ("packed", PROBED, "vllm", PROBED),
         "FLASH_ATTN": ("packed", PROBED, "vllm", PROBED),
