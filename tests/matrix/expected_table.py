@@ -22,6 +22,11 @@ EXPECTED: dict[str, dict[str, tuple[str | None, str, str, str]]] = {
         "FLASH_ATTN": ("kv-first", PROBED, "vllm", PROBED),
         "CPU_ATTN": (None, PROBED, "adapter", PROBED),
     },
+    "vllm==0.23.0": {
+        "FLASHINFER": ("blocks-first", PROBED, "vllm", PROBED),
+        "FLASH_ATTN": ("blocks-first", PROBED, "vllm", PROBED),
+        "CPU_ATTN": ("cpu-packed", PROBED, "adapter", PROBED),
+    },
     "vllm==0.24.0": {
         "FLASHINFER": ("blocks-first", PROBED, "vllm", PROBED),
         "FLASH_ATTN": ("blocks-first", PROBED, "vllm", PROBED),
