@@ -5,8 +5,11 @@ the lambda that gives ~50% and ~75% tile sparsity and with lambda = 0 (same code
 skipping), plus ``torch.nn.functional.scaled_dot_product_attention`` on the same K/V
 gathered into contiguous tensors beforehand (the gather is not timed for SDPA).
 
-``--device cuda``: the Triton kernel, dense vs skipping, plus flashinfer's paged
-prefill/decode wrappers when flashinfer is importable.
+``--device cuda``: the issue-13 suite (:func:`gpu_suite`): the Triton kernel through the
+capture-safe path, timed as CUDA-graph replays, dense (lambda 0) vs 50/70/90 % tile
+sparsity, against torch SDPA (flash / cuDNN / efficient backend) on the same K/V;
+bf16, 32 query / 8 KV heads, head size 128, prefill 8k and 32k, decode batch 1, 8, 64
+at KV 8k and 32k.  ``benchmarks/gpu_check.py`` runs it as part of the GPU check.
 
 Scores are structured, not uniform noise: every sequence has attention-sink tokens, a
 local window (rotary-style position features), topical segments the query heads of a KV
@@ -32,7 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from sparse_attn.kernels import TILE_K, TILE_Q, paged_attention, paged_attention_counts  # noqa: E402
+from sparse_attn.kernels import SPLIT_K, TILE_K, TILE_Q, paged_attention, paged_attention_counts  # noqa: E402
 
 _SEGMENT = 256          # tokens per topical segment
 _N_TOPICS = 32          # one-hot topic features; topic 0 marks the attention sink
@@ -48,7 +51,7 @@ SINK = 4.0    # every head's affinity for the sink tokens
 
 def _features(pos: torch.Tensor, rho: float, periods=_PERIODS) -> torch.Tensor:
     """Position features ``[n, 2 * len(periods)]``; their dot product peaks at equal positions."""
-    w = 2 * math.pi / torch.tensor(periods, dtype=torch.float64)
+    w = 2 * math.pi / torch.tensor(periods, dtype=torch.float64, device=pos.device)
     ang = pos.double()[:, None] * w[None, :]
     return (torch.cat([ang.cos(), ang.sin()], -1) * rho).float()
 
@@ -59,7 +62,8 @@ def make_inputs(n_seqs, kv_len, q_len, hq, hkv, d, page, dtype, device, seed=0):
     Returns ``(query [T, Hq, D], key_cache, value_cache [blocks, page, Hkv, D],
     block_table [S, blocks/seq] int32, seq_lens [S] int32, query_start_loc [S+1] int32)``.
     """
-    g = torch.Generator().manual_seed(seed)
+    # Generated on ``device`` (a CUDA generator on GPU: the 64 x 32k decode cache is 8 GiB).
+    g = torch.Generator(device=device).manual_seed(seed)
     # Small head sizes (the serving-overhead cases) get fewer topics and periods.
     n_topics = min(_N_TOPICS, d // 2)
     periods = _PERIODS[:min(len(_PERIODS), max(1, d // 8))]
@@ -68,26 +72,27 @@ def make_inputs(n_seqs, kv_len, q_len, hq, hkv, d, page, dtype, device, seed=0):
     assert n_noise > 0, "head_dim too small for the synthetic feature layout"
     blocks_per_seq = -(-kv_len // page)
     n_blocks = n_seqs * blocks_per_seq
-    kc = torch.empty(n_blocks, page, hkv, d)
-    vc = torch.randn(n_blocks, page, hkv, d, generator=g)
-    perm = torch.randperm(n_blocks, generator=g)
+    dev = dict(device=device)
+    kc = torch.empty(n_blocks, page, hkv, d, **dev)
+    vc = torch.randn(n_blocks, page, hkv, d, generator=g, **dev)
+    perm = torch.randperm(n_blocks, generator=g, **dev)
     block_table = perm.view(n_seqs, blocks_per_seq).int()
     queries = []
-    kpos = torch.arange(kv_len)
+    kpos = torch.arange(kv_len, **dev)
     for s in range(n_seqs):
-        keys = torch.empty(kv_len, hkv, d)
-        keys[..., :n_noise] = torch.randn(kv_len, hkv, n_noise, generator=g)
-        topic = torch.randint(1, n_topics, (kv_len // _SEGMENT + 1, hkv), generator=g)
+        keys = torch.empty(kv_len, hkv, d, **dev)
+        keys[..., :n_noise] = torch.randn(kv_len, hkv, n_noise, generator=g, **dev)
+        topic = torch.randint(1, n_topics, (kv_len // _SEGMENT + 1, hkv), generator=g, **dev)
         tok_topic = topic[kpos // _SEGMENT]
         tok_topic[:_N_SINK] = 0
         keys[..., n_noise:n_noise + n_topics] = torch.nn.functional.one_hot(tok_topic, n_topics) * KAP
         keys[..., n_noise + n_topics:] = _features(kpos, RHO, periods)[:, None, :]
-        qpos = torch.arange(kv_len - q_len, kv_len)
-        q = torch.empty(q_len, hq, d)
-        q[..., :n_noise] = torch.randn(q_len, hq, n_noise, generator=g) * QN
+        qpos = torch.arange(kv_len - q_len, kv_len, **dev)
+        q = torch.empty(q_len, hq, d, **dev)
+        q[..., :n_noise] = torch.randn(q_len, hq, n_noise, generator=g, **dev) * QN
         # Heads of one KV group share most of their topic affinities.
-        base = torch.randn(hkv, n_topics, generator=g).repeat_interleave(hq // hkv, 0)
-        aff = base * 0.9 + 0.35 * torch.randn(hq, n_topics, generator=g)
+        base = torch.randn(hkv, n_topics, generator=g, **dev).repeat_interleave(hq // hkv, 0)
+        aff = base * 0.9 + 0.35 * torch.randn(hq, n_topics, generator=g, **dev)
         aff[:, 0] = SINK
         q[..., n_noise:n_noise + n_topics] = aff[None]
         q[..., n_noise + n_topics:] = _features(qpos, RHO, periods)[:, None, :]
@@ -149,28 +154,6 @@ def sdpa_fn(q, k, v, scale, q_len, kv_len):
                                                                     enable_gqa=True)
 
 
-def flashinfer_fn(args, q_len, scale):
-    """A flashinfer paged-attention call on the same cache, or None when unavailable."""
-    try:
-        import flashinfer
-    except ImportError:
-        return None
-    query, kc, vc, bt, seq_lens, qsl = args
-    n_seqs, page = bt.shape[0], kc.shape[1]
-    hq, hkv, d = query.shape[1], kc.shape[2], kc.shape[3]
-    indptr = torch.arange(n_seqs + 1, device=kc.device, dtype=torch.int32) * bt.shape[1]
-    last = (seq_lens - 1) % page + 1
-    ws = torch.empty(256 << 20, dtype=torch.uint8, device=kc.device)
-    if q_len == 1:
-        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
-        w.plan(indptr, bt.reshape(-1), last, hq, hkv, d, page, sm_scale=scale, q_data_type=query.dtype)
-    else:
-        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
-        w.plan(qsl, indptr, bt.reshape(-1), last, hq, hkv, d, page, causal=True, sm_scale=scale,
-               q_data_type=query.dtype)
-    return lambda: w.run(query, (kc, vc))
-
-
 def run(cfg, a):
     name, n_seqs, kv_len, q_len, hq, hkv, head_dim = cfg
     device = a.device
@@ -185,63 +168,218 @@ def run(cfg, a):
            sdpa_fn(q, k, v, scale, q_len, kv_len)]
     fns += [(lambda lam: lambda: paged_attention(*args, scale=scale, threshold=lam, impl=impl))(grid[i])
             for i in picks]
-    fi = flashinfer_fn(args, q_len, scale) if device == "cuda" else None
-    if fi:
-        fns.append(fi)
     times = timeit(fns, a.repeats, sync)
-    t_dense, t_sdpa, t_fi = times[0], times[1], (times[-1] if fi else None)
+    t_dense, t_sdpa = times[0], times[1]
     ref = paged_attention(*args, scale=scale, impl=impl).float()
     rows = []
     for j, i in enumerate(picks):
         lam = grid[i]
         err = (paged_attention(*args, scale=scale, threshold=lam, impl=impl).float() - ref).abs().max().item()
-        rows.append((name, n_seqs, kv_len, q_len, f"{hq}/{hkv}/{head_dim}", f"{lam:.2e}", f"{frac[i]:.1%}", t_dense, times[2 + j], t_sdpa,
-                     t_fi, err))
+        rows.append((name, n_seqs, kv_len, q_len, f"{hq}/{hkv}/{head_dim}", f"{lam:.2e}", f"{frac[i]:.1%}", t_dense,
+                     times[2 + j], t_sdpa, err))
     return rows
+
+
+# --------------------------------------------------------------------------- GPU suite (issue 13)
+
+#: (name, sequences, KV length, query length per sequence)
+GPU_CASES = [("prefill-8k", 1, 8192, 8192), ("prefill-32k", 1, 32768, 32768)] + [
+    (f"decode-b{b}-{kv // 1024}k", b, kv, 1) for kv in (8192, 32768) for b in (1, 8, 64)]
+GPU_DIMS = (32, 8, 128)               # query heads, KV heads, head size
+GPU_SPARSITY = (0.5, 0.7, 0.9)        # target tile sparsities (0 % = our dense, lambda 0)
+
+
+def _sdpa_call(q, k, v, scale, q_len, kv_len):
+    """SDPA on the gathered K/V with the fastest fused backend that accepts it, and its name.
+
+    Tries flash, then cuDNN, then memory-efficient attention with ``enable_gqa``, then the
+    same with K/V expanded to the query heads; on CPU torch picks the backend."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    causal = q_len == kv_len
+    if q_len not in (1, kv_len):
+        raise ValueError("GPU suite cases are full prefills or decodes")
+    if q.device.type != "cuda":
+        return (lambda: sdpa(q, k, v, scale=scale, is_causal=causal, enable_gqa=True)), "cpu-default"
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = q.shape[1] // k.shape[1]
+    expanded = []      # K/V expanded to the query heads, made only if no backend takes GQA
+
+    def variants():
+        yield k, v, True, "gqa"
+        if not expanded:
+            expanded.append((k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)))
+        yield (*expanded[0], False, "expanded-kv")
+
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        for kk, vv, gqa, tag in variants():
+            def fn(kk=kk, vv=vv, gqa=gqa, backend=backend):
+                with sdpa_kernel([backend]):
+                    return sdpa(q, kk, vv, scale=scale, is_causal=causal, enable_gqa=gqa)
+            try:
+                fn()
+                torch.cuda.synchronize()
+            except RuntimeError:
+                continue
+            return fn, f"{backend.name.lower()}/{tag}"
+    raise RuntimeError("no fused SDPA backend accepted the inputs")
+
+
+def _time_ms(fns, repeats, device):
+    """Median milliseconds of each callable, interleaved; CUDA events on GPU."""
+    for fn in fns:
+        fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            if device == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times[i].append(start.elapsed_time(end))
+            else:
+                t = time.perf_counter()
+                fn()
+                times[i].append((time.perf_counter() - t) * 1e3)
+    return [sorted(t)[len(t) // 2] for t in times]
+
+
+def _graphed(fn):
+    """``fn`` captured in a CUDA graph (as vLLM serves decode): returns the replay callable."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def gpu_suite(device="cuda", dtype=torch.bfloat16, cases=GPU_CASES, dims=GPU_DIMS, page=16, repeats=20,
+              sparsity=GPU_SPARSITY, log=print):
+    """The issue-13 benchmark: our Triton kernel dense vs skipping vs SDPA on the same data.
+
+    Our calls go through the capture-safe path (``check=False``) and, on CUDA, are timed as
+    CUDA-graph replays (launch overhead excluded, as in vLLM's captured decode); SDPA is one
+    eager launch on K/V gathered beforehand.  Returns one dict per (case, sparsity) with
+    milliseconds, achieved tile sparsity, speedup over our dense and ratio to SDPA.
+    """
+    hq, hkv, d = dims
+    rows = []
+    for name, n_seqs, kv_len, q_len in cases:
+        t0 = time.perf_counter()
+        args = make_inputs(n_seqs, kv_len, q_len, hq, hkv, d, page, dtype, device)
+        scale = 1 / math.sqrt(d)
+        picks, grid, frac = calibrate(args, scale, sparsity, "triton")
+        q, k, v = gathered(args, q_len)
+        sdpa, backend = _sdpa_call(q, k, v, scale, q_len, kv_len)
+        lams = [0.0] + [grid[i] for i in picks]
+        outs = [torch.empty_like(args[0]) for _ in lams]
+        lam_t = [torch.full((n_seqs,), lam, dtype=torch.float32, device=device) for lam in lams]
+
+        def ours(j):
+            return lambda: paged_attention(*args, scale=scale, threshold=lam_t[j], out=outs[j], impl="triton",
+                                           check=False, max_query_len=q_len)
+        fns = [ours(j) for j in range(len(lams))]
+        mode = "eager"
+        if device == "cuda":
+            fns, mode = [_graphed(f) for f in fns], "cuda-graph"
+        ms = _time_ms(fns + [sdpa], repeats, device)
+        ms_sdpa = ms[-1]
+        for j, lam in enumerate(lams):
+            fns[j]()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        for j, lam in enumerate(lams):
+            rows.append(dict(case=name, seqs=n_seqs, kv=kv_len, q=q_len, heads=f"{hq}/{hkv}/{d}",
+                             dtype=str(dtype).replace("torch.", ""), target=0.0 if j == 0 else sparsity[j - 1],
+                             lam=lam, sparsity=0.0 if j == 0 else frac[picks[j - 1]], ms=ms[j], ms_dense=ms[0],
+                             speedup=ms[0] / ms[j], ms_sdpa=ms_sdpa, vs_sdpa=ms_sdpa / ms[j], sdpa_backend=backend,
+                             timing=mode, max_abs_err=(outs[j].float() - outs[0].float()).abs().max().item()))
+        log(f"{name}: dense {ms[0]:.3f} ms, SDPA {ms_sdpa:.3f} ms ({backend}), "
+            + ", ".join(f"{r['sparsity']:.0%}: {r['ms']:.3f} ms" for r in rows[-len(sparsity):])
+            + f"  [{time.perf_counter() - t0:.0f} s]")
+        del args, q, k, v, outs
+    return rows
+
+
+def gpu_markdown(rows) -> str:
+    head = ["case", "seqs", "kv", "q", "Hq/Hkv/D", "target", "lambda", "tile sparsity", "ms", "speedup vs our dense",
+            "SDPA ms", "SDPA/ours", "SDPA backend", "timing", "max abs err"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        lines.append("| " + " | ".join(str(c) for c in (
+            r["case"], r["seqs"], r["kv"], r["q"], r["heads"], f"{r['target']:.0%}", f"{r['lam']:.2e}",
+            f"{r['sparsity']:.1%}", f"{r['ms']:.3f}", f"{r['speedup']:.2f}x", f"{r['ms_sdpa']:.3f}",
+            f"{r['vs_sdpa']:.2f}x", r["sdpa_backend"], r["timing"], f"{r['max_abs_err']:.1e}")) + " |")
+    return "\n".join(lines)
+
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cpu: torch implementation; cuda: Triton kernel (+ flashinfer if importable)")
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
-    p.add_argument("--hq", type=int, default=8, help="query heads")
-    p.add_argument("--hkv", type=int, default=2, help="KV heads")
-    p.add_argument("--head-dim", type=int, default=128)
+                   help="cpu: torch implementation, CPU cases; cuda: the issue-13 suite on the Triton kernel "
+                        "(bf16, 32/8 heads, D 128, prefill 8k/32k, decode batch 1/8/64 at 8k/32k, "
+                        "sparsity 0/50/70/90%%, vs torch SDPA)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                   help="default: fp32 on cpu, bf16 on cuda")
+    p.add_argument("--hq", type=int, default=8, help="query heads (cpu cases)")
+    p.add_argument("--hkv", type=int, default=2, help="KV heads (cpu cases)")
+    p.add_argument("--head-dim", type=int, default=128, help="head size (cpu cases)")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--decode-batch", type=int, default=8, help="sequences in the decode batches")
+    p.add_argument("--decode-batch", type=int, default=8, help="sequences in the decode batches (cpu cases)")
     p.add_argument("--prefill-16k-q", type=int, default=1024,
                    help="query length of the 16k prefill (a chunked-prefill suffix; 16384 = full prefill)")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats per entry (best is reported)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed repeats per entry (cpu: best of, default 3; cuda: median of, default 20)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--only", default="",
-                   help="comma-separated subset of: prefill-4k,prefill-16k,decode-4k,decode-16k,"
-                        "small-decode,small-prefill")
+                   help="comma-separated subset of case names (cpu: prefill-4k,prefill-16k,decode-4k,decode-16k,"
+                        "small-decode,small-prefill; cuda: " + ",".join(c[0] for c in GPU_CASES) + ")")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.dtype is None:
+        a.dtype = "bf16" if a.device == "cuda" else "fp32"
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype]
+    keep = set(a.only.split(",")) if a.only else None
+    if a.device == "cuda":
+        if not torch.cuda.is_available():
+            p.error("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False); "
+                    "run on a GPU machine, or use --device cpu")
+        cases = [c for c in GPU_CASES if keep is None or c[0] in keep]
+        print(f"device={torch.cuda.get_device_name()} dtype={a.dtype} page={a.page_size} TILE_Q={TILE_Q} "
+              f"TILE_K={TILE_K} SPLIT_K={SPLIT_K}\n")
+        rows = gpu_suite("cuda", dtype, cases, page=a.page_size, repeats=a.repeats or 20)
+        print(gpu_markdown(rows))
+        return
+    a.repeats = a.repeats or 3
     dims = (a.hq, a.hkv, a.head_dim)
     cfgs = [("prefill-4k", 1, 4096, 4096, *dims), ("prefill-16k", 1, 16384, a.prefill_16k_q, *dims),
             ("decode-4k", a.decode_batch, 4096, 1, *dims), ("decode-16k", a.decode_batch, 16384, 1, *dims),
             # Per-call overhead at the sizes the CPU serving adapter sees (tiny model, per layer per step).
             ("small-decode", 16, 512, 1, 4, 2, 32), ("small-prefill", 1, 2048, 2048, 4, 2, 32)]
-    if a.only:
-        keep = set(a.only.split(","))
+    if keep:
         cfgs = [c for c in cfgs if c[0] in keep]
-    other = "flashinfer ms" if a.device == "cuda" else ""
     print(f"device={a.device} dtype={a.dtype} page={a.page_size} TILE_Q={TILE_Q} TILE_K={TILE_K} "
-          f"threads={torch.get_num_threads()} load={os.getloadavg()[0]:.1f}\n")
+          f"SPLIT_K={SPLIT_K} threads={torch.get_num_threads()} load={os.getloadavg()[0]:.1f}\n")
     head = ["case", "seqs", "kv", "q", "Hq/Hkv/D", "lambda", "tile sparsity", "dense ms", "skip ms", "speedup",
-            "SDPA ms", "dense/SDPA", "max abs err"] + ([other] if other else [])
+            "SDPA ms", "dense/SDPA", "max abs err"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for cfg in cfgs:
-        for (name, n, kv, q, dims_s, lam, sp, td, ts, tsd, tfi, err) in run(cfg, a):
+        for (name, n, kv, q, dims_s, lam, sp, td, ts, tsd, err) in run(cfg, a):
             ms = (lambda t: f"{t * 1e3:.2f}") if td < 0.02 else (lambda t: f"{t * 1e3:.1f}")
             cells = [name, n, kv, q, dims_s, lam, sp, ms(td), ms(ts), f"{td / ts:.2f}x",
                      ms(tsd), f"{td / tsd:.2f}x", f"{err:.1e}"]
-            if other:
-                cells.append(f"{tfi * 1e3:.2f}" if tfi else "n/a")
             print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
 
 

@@ -47,16 +47,13 @@ DEFAULT_DECODE_AB = (16.78, 4.339)
 
 
 def skip_softmax_section(prefill_ab, decode_ab, targets: tuple[float, float]) -> dict:
-    return {
-        "config_groups": {"group_0": {
-            "algorithm": "skip_softmax", "targets": ["LlamaAttention"],
-            "threshold_scale_factor": {"formula": "a * exp(b * target_sparsity)",
-                                       "prefill": {"a": prefill_ab[0], "b": prefill_ab[1]},
-                                       "decode": {"a": decode_ab[0], "b": decode_ab[1]}},
-            "target_sparsity": {"prefill": targets[0], "decode": targets[1]},
-        }},
-        "producer": {"name": "bench_serving", "version": "0"},
-    }
+    """The section for both phases, through the product's one writer of the format."""
+    from sparse_attn.calibration.export import build_sparse_attention_config
+
+    return build_sparse_attention_config({"prefill": prefill_ab, "decode": decode_ab},
+                                         {"prefill": targets[0], "decode": targets[1]},
+                                         target_classes=["LlamaAttention"], producer_name="bench_serving",
+                                         producer_version="0")
 
 
 def with_section(base: Path, dest: Path, section: dict | None) -> Path:
@@ -75,14 +72,14 @@ def prompts_for(ckpt: Path, n: int, length: int, seed: int, kind: str = "tasks")
     """``n`` distinct prompts of at most ``length`` tokens.
 
     ``tasks``: the project's synthetic long-context calibration tasks
-    (``sparse_attn.calibration.data.generate_calibration_samples``: needle retrieval,
+    (``sparse_attn.calibration.synthetic.generate_calibration_samples``: needle retrieval,
     multi-key lookups, ...; repeated structure that the tiny model's retrieval heads
     lock onto). ``text``: English-like running text (``tiny_model.make_corpus``), on which
     the tiny model's attention is much flatter (little prefill sparsity, see RESULTS)."""
     if kind == "tasks":
         from transformers import AutoTokenizer
 
-        from sparse_attn.calibration.data import generate_calibration_samples
+        from sparse_attn.calibration.synthetic import generate_calibration_samples
 
         tok = AutoTokenizer.from_pretrained(str(ckpt))
         samples = generate_calibration_samples(tok, num_samples=n, max_seqlen=length, min_seqlen=length,

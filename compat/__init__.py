@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from compat import envs, layouts
+from compat import envs, graphs, layouts
 from compat.errors import (
     BatchDescriptionError,
     CompatError,
@@ -67,6 +67,7 @@ def reset_for_tests() -> None:
     global _report
     _report = None
     _bound.clear()
+    graphs.reset_for_tests()
     envs.reset_for_tests()
 
 

@@ -12,7 +12,8 @@ import sys
 from compat import envs
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m compat`` argument parser."""
     parser = argparse.ArgumentParser(
         prog="python -m compat",
         description=(
@@ -23,24 +24,32 @@ def main(argv: list[str] | None = None) -> int:
         epilog="Overrides: " + ", ".join(envs.REGISTRY) + " (see README.md).",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON for machines")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     import compat
 
+    # Every registered variable is checked, not only those the probe reads, so a
+    # typo in e.g. SPARSE_ATTN_STRICT fails here rather than at a worker's start.
+    errors = envs.validate_all()
     try:
         report = compat.probe()
     except compat.CompatError as exc:
-        print(f"compat: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(report.as_dict(), indent=2, sort_keys=True))
-        return 0
-    print(render(report))
-    return 0
+        report = None
+        if str(exc) not in errors.values():
+            errors["probe"] = str(exc)
+    if report is not None:
+        print(json.dumps(report.as_dict(), indent=2, sort_keys=True) if args.json else render(report, invalid=errors))
+    for message in errors.values():
+        print(f"compat: {message}", file=sys.stderr)
+    return 2 if errors else 0
 
 
-def render(report) -> str:
-    """The human-readable report."""
+def render(report, invalid=()) -> str:
+    """The human-readable report; ``invalid`` names the variables that failed to parse."""
     if report.vllm_version is None:
         head = "vLLM: not installed (compat works on plain tensors; backends cannot be probed)"
     else:
@@ -56,8 +65,10 @@ def render(report) -> str:
     for row in rows:
         lines.append("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:5])) + "  " + row[5])
     lines.append("")
+    lines += [f"cuda graphs {name}: {b.graphs.describe()}" for name, b in report.backends.items() if b.graphs]
+    lines.append("")
     if report.overrides:
-        lines.append("overrides: " + ", ".join(f"{k}={v}" for k, v in report.overrides.items()))
+        lines.append("overrides: " + ", ".join(f"{k}={v}" + (" (INVALID)" if k in invalid else "") for k, v in report.overrides.items()))
     else:
         lines.append("overrides: none (set " + " or ".join(list(envs.REGISTRY)[:2]) + " to force a decision)")
     return "\n".join(lines)

@@ -4,6 +4,9 @@ Modelled on vLLM's ``envs.py``: each variable is declared once, with its
 default, its choices and its documentation, and is parsed once per process
 (``reset_for_tests()`` clears the cache). README.md documents each of them in
 a table that ``tests/compat/test_envs.py`` keeps in step with this registry.
+An unset and an empty (or blank) variable both mean its default. Each
+variable's ``choices`` text is built from the tuples its parser validates
+against, and layout names come from ``compat.layouts.KVLayout``.
 
 Nothing here imports vLLM.
 """
@@ -16,14 +19,20 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from compat.errors import InvalidOverrideError
+from compat.layouts import KVLayout
 
 logger = logging.getLogger("compat")
 
 #: Backends ``compat`` serves, by vLLM's ``AttentionBackendEnum`` member name.
 BACKENDS: tuple[str, ...] = ("FLASHINFER", "FLASH_ATTN", "CPU_ATTN")
-#: Layout names of the catalogue (``compat.layouts.KVLayout`` values).
-LAYOUT_NAMES: tuple[str, ...] = ("blocks-first", "kv-first", "packed", "cpu-packed")
+#: Layout names of the catalogue: the ``compat.layouts.KVLayout`` values (one definition).
+LAYOUT_NAMES: tuple[str, ...] = tuple(layout.value for layout in KVLayout)
 WRITER_CHOICES: tuple[str, ...] = ("auto", "vllm", "adapter")
+#: ``SPARSE_ATTN_CUDAGRAPH`` values (``compat.graphs.ENV_CAPS``).
+CUDAGRAPH_CHOICES: tuple[str, ...] = ("auto", "decode", "never")
+#: Spellings ``_parse_flag`` accepts.
+FLAG_TRUE: tuple[str, ...] = ("1", "true", "yes", "on")
+FLAG_FALSE: tuple[str, ...] = ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
@@ -33,14 +42,17 @@ class EnvVar:
     name: str
     default: str
     doc: str
+    #: ``parse(raw, var)``: raw is the variable's value, or ``default`` when it is unset or empty
     parse: Callable[[str, "EnvVar"], Any]
+    #: what values are valid, for ``python -m compat`` and the README (built from the
+    #: validation tuples above, never typed a second time)
     choices: str
 
 
 def _parse_layout_override(raw: str, var: EnvVar) -> Mapping[str, str]:
     """``"packed"`` -> every backend; ``"FLASHINFER=packed,CPU_ATTN=cpu-packed"`` -> per backend."""
     raw = raw.strip()
-    if not raw:
+    if not raw:  # the default: no override
         return {}
     if "=" not in raw:
         _check_choice(var, raw, LAYOUT_NAMES)
@@ -60,25 +72,35 @@ def _parse_layout_override(raw: str, var: EnvVar) -> Mapping[str, str]:
             )
         _check_choice(var, backend, BACKENDS, what="backend")
         _check_choice(var, layout, LAYOUT_NAMES)
+        if backend in parsed:
+            raise InvalidOverrideError(
+                f"{var.name}={raw!r}: backend {backend} is given twice ({parsed[backend]!r} and {layout!r}). "
+                f"Expected each backend at most once. Fix: keep one {backend}=layout pair."
+            )
         parsed[backend] = layout
     return parsed
 
 
 def _parse_writer(raw: str, var: EnvVar) -> str:
-    value = raw.strip().lower() or var.default
+    value = raw.strip().lower()
     _check_choice(var, value, WRITER_CHOICES)
+    return value
+
+
+def _parse_cudagraph(raw: str, var: EnvVar) -> str:
+    value = raw.strip().lower()
+    _check_choice(var, value, CUDAGRAPH_CHOICES)
     return value
 
 
 def _parse_flag(raw: str, var: EnvVar) -> bool:
     value = raw.strip().lower()
-    truthy, falsy = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
-    if value in truthy:
+    if value in FLAG_TRUE:
         return True
-    if value in falsy:
+    if value in FLAG_FALSE:
         return False
     raise InvalidOverrideError(
-        f"{var.name}={raw!r} is not a boolean. Expected one of {truthy + falsy[1:]}; "
+        f"{var.name}={raw!r} is not a boolean. Expected one of {FLAG_TRUE + FLAG_FALSE}; "
         f"unset it or set {var.name}=1 / {var.name}=0."
     )
 
@@ -114,7 +136,7 @@ REGISTRY: dict[str, EnvVar] = {
                 "or `BACKEND=layout` pairs separated by commas."
             ),
             parse=_parse_layout_override,
-            choices="blocks-first, kv-first, packed, cpu-packed; backends FLASHINFER, FLASH_ATTN, CPU_ATTN",
+            choices=f"{', '.join(LAYOUT_NAMES)}; backends {', '.join(BACKENDS)}",
         ),
         EnvVar(
             name="SPARSE_ATTN_CACHE_WRITER",
@@ -125,21 +147,33 @@ REGISTRY: dict[str, EnvVar] = {
                 "`forward_includes_kv_cache_update`)."
             ),
             parse=_parse_writer,
-            choices="auto, vllm, adapter",
+            choices=", ".join(WRITER_CHOICES),
+        ),
+        EnvVar(
+            name="SPARSE_ATTN_CUDAGRAPH",
+            default="auto",
+            doc=(
+                "CUDA-graph level the builders of sparse backends declare to vLLM: `auto` and `decode` declare "
+                "min(native, UNIFORM_SINGLE_TOKEN_DECODE) (decode batches captured, prefill and mixed batches "
+                "piecewise with eager attention; `decode` pins it should `auto` change); `never` declares NEVER "
+                "(vLLM drops full graphs, keeps piecewise)."
+            ),
+            parse=_parse_cudagraph,
+            choices=", ".join(CUDAGRAPH_CHOICES),
         ),
         EnvVar(
             name="SPARSE_ATTN_DISABLE",
             default="0",
             doc="`1` turns the vLLM plugin off: every worker stays on native vLLM attention.",
             parse=_parse_flag,
-            choices="0, 1",
+            choices=", ".join(FLAG_FALSE[:1] + FLAG_TRUE[:1]),
         ),
         EnvVar(
             name="SPARSE_ATTN_STRICT",
             default="0",
             doc="`1` makes any attention layer the sparse kernel cannot serve a start-up error instead of a native fallback.",
             parse=_parse_flag,
-            choices="0, 1",
+            choices=", ".join(FLAG_FALSE[:1] + FLAG_TRUE[:1]),
         ),
         EnvVar(
             name="SPARSE_ATTN_STATS_INTERVAL_S",
@@ -157,16 +191,31 @@ _logged: set[str] = set()
 
 
 def get(name: str) -> Any:
-    """The parsed value of registered variable ``name`` (parsed once per process)."""
+    """The parsed value of registered variable ``name`` (parsed once per process).
+
+    Unset and empty (or blank) mean the same thing for every variable: its default.
+    """
     if name not in _cache:
         var = REGISTRY[name]
         raw = os.environ.get(name)
-        value = var.parse(var.default if raw is None else raw, var)
-        if raw is not None and raw.strip() != var.default and name not in _logged:
+        given = raw is not None and raw.strip() != ""
+        value = var.parse(raw if given else var.default, var)
+        if given and raw.strip() != var.default and name not in _logged:
             _logged.add(name)
             logger.info("sparse-attn: override %s=%s applied", name, raw)
         _cache[name] = value
     return _cache[name]
+
+
+def validate_all() -> dict[str, str]:
+    """Parse every registered variable; ``{name: error message}`` for each invalid one."""
+    errors = {}
+    for name in REGISTRY:
+        try:
+            get(name)
+        except InvalidOverrideError as exc:
+            errors[name] = str(exc)
+    return errors
 
 
 def overrides() -> dict[str, str]:

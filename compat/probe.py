@@ -30,7 +30,7 @@ from typing import Any, Mapping
 
 from packaging.version import InvalidVersion, Version
 
-from compat import envs
+from compat import envs, graphs
 from compat.layouts import KVLayout
 
 logger = logging.getLogger("compat")
@@ -94,6 +94,8 @@ class BackendReport:
     writer: str | None = None
     writer_source: str | None = None
     writer_detail: str = ""
+    #: How the builder declares CUDA-graph support and what sparse layers declare (``compat.graphs``).
+    graphs: graphs.GraphDecision | None = None
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,7 @@ class CompatReport:
                     "writer": b.writer,
                     "writer_source": b.writer_source,
                     "writer_detail": b.writer_detail,
+                    "graphs": b.graphs.as_dict() if b.graphs else None,
                 }
                 for name, b in self.backends.items()
             },
@@ -232,6 +235,7 @@ def _probe_backend(name: str, version: str | None, registry: Any, layout_overrid
     return BackendReport(
         name, True, class_path=f"{cls.__module__}.{cls.__qualname__}", layout=layout, layout_source=layout_source,
         layout_detail=layout_detail, writer=writer, writer_source=writer_source, writer_detail=writer_detail,
+        graphs=graphs.decide(cls),
     )
 
 

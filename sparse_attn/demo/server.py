@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from compat.runtime import SERVER_RPC_ROUTE
+from compat.launch import SERVER_RPC_ROUTE
 from sparse_attn.plugin import STATS_RPC
 
 __all__ = ["ServerError", "ServeProcess", "free_port", "log_tail"]

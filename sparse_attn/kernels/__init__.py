@@ -5,7 +5,7 @@ Kernels take logical ``[num_blocks, page_size, Hkv, D]`` K/V cache views with ar
 strides and never look at vLLM versions or cache layouts.
 """
 
-from ._common import TILE_K, TILE_Q
+from ._common import SPLIT_K, TILE_K, TILE_Q
 from .api import paged_attention, paged_attention_counts
 
-__all__ = ["TILE_K", "TILE_Q", "paged_attention", "paged_attention_counts"]
+__all__ = ["SPLIT_K", "TILE_K", "TILE_Q", "paged_attention", "paged_attention_counts"]

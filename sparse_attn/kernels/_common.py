@@ -13,19 +13,37 @@ otherwise all ``kv_len`` positions.  Rows past ``q_len`` in the last query tile 
 
 A (query head, query tile) *visits* KV tiles ``0 .. last`` where ``last`` is the KV tile
 holding the last position its last valid row sees; tiles entirely above the causal
-diagonal are neither visited nor counted.  For visited KV tile ``t`` and valid row ``r``:
+diagonal are neither visited nor counted.
+
+KV *splits*: the KV axis is also cut into splits of ``split_k`` consecutive positions
+(default :data:`SPLIT_K`, a multiple of ``TILE_K``), aligned to KV position 0, so split
+``j`` holds KV tiles ``j * split_k / TILE_K ..`` up to the next split.  ``split_k`` is a
+constant of the rule, independent of batch size, phase and GPU: split-KV decode
+(flash-decoding) processes each split in its own program and merges the partial
+softmaxes by log-sum-exp, and every other path (prefill, the torch implementation,
+counting mode) applies the same split boundaries to the skip test even when it does not
+launch splits.  For visited KV tile ``t`` of split ``j`` (first tile ``t0(j)``) and
+valid row ``r``:
 
     tile_max[r, t] = max over visible columns c of tile t of  scale * q_r . k_c    (-inf if none)
-    m_before[r, t] = max(tile_max[r, 0], ..., tile_max[r, t-1])       (dense running max)
+    m_before[r, t] = max(tile_max[r, t0(j)], ..., tile_max[r, t-1])
+                     (dense running max; it RESTARTS at -inf at every split boundary)
     ratio[t]       = max over valid rows r of exp(tile_max[r, t] - m_before[r, t])
 
-and the tile is *skippable under lambda* iff ``t > 0 and ratio[t] < lambda``.  Serving
-mode with threshold ``lambda`` leaves skippable tiles out of the softmax (no exp, no V
-read, no P.V), so the output is the softmax restricted to the non-skipped tiles.  The
-running max is the dense one in both modes: a skipped tile's scores are still known (its
-Q.K^T is needed for the test), so ``m_before`` never depends on earlier decisions, and
-calibration counts taken in counting mode are exactly the serving-mode skip counts.
-``lambda = 0`` never skips (``exp(.) >= 0``).
+and the tile is *skippable under lambda* iff ``t != t0(j)`` (the first tile of every
+split, tile 0 included, is never skippable) and ``ratio[t] < lambda``.  Serving mode with
+threshold ``lambda`` leaves skippable tiles out of the softmax (no exp, no V read, no
+P.V), so the output is the softmax over all visited positions restricted to the
+non-skipped tiles (splits are an evaluation order only: the log-sum-exp merge makes the
+result the same single softmax).  The running max is the dense one in both modes: a
+skipped tile's scores are still known (its Q.K^T is needed for the test), so
+``m_before`` never depends on earlier decisions, and calibration counts taken in
+counting mode are exactly the serving-mode skip counts, for any ``split_k`` as long as
+both modes use the same one.  ``lambda = 0`` never skips (``exp(.) >= 0``).
+
+The skip decision is per query head: a kernel that packs the query heads of a KV group
+into one program (reading each K/V tile once) still tests each head's rows on their own,
+and reads a V tile when any head of the program keeps it.
 """
 
 from __future__ import annotations
@@ -40,6 +58,11 @@ import torch
 TILE_Q = 64
 #: KV positions per KV tile.
 TILE_K = 64
+#: KV positions per split of the skip rule (the dense running max restarts at each split;
+#: split-KV decode launches one program per split).  1024 = 16 tiles: a 32k-token decode
+#: of one sequence with 8 KV heads is 256 programs, enough to fill a 132-SM GPU, while at
+#: most 1 tile in 16 is unskippable because it opens a split.
+SPLIT_K = 1024
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -64,6 +87,17 @@ class BatchMeta:
     @property
     def group(self) -> int:
         return self.num_q_heads // self.num_kv_heads
+
+
+def check_split(split_k) -> int:
+    """``split_k`` (``None`` -> :data:`SPLIT_K`) as an int after checking it is a positive
+    multiple of ``TILE_K``."""
+    if split_k is None:
+        return SPLIT_K
+    if isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < TILE_K or split_k % TILE_K:
+        _fail("split_k (KV positions per split of the skip rule)", repr(split_k),
+              f"a positive multiple of TILE_K={TILE_K} (default SPLIT_K={SPLIT_K})")
+    return split_k
 
 
 def _fail(what: str, seen, expected) -> None:

@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 
 from . import torch_impl
-from ._common import check_seq_threshold, check_thresholds, validate
+from ._common import BatchMeta, check_seq_threshold, check_split, check_thresholds, validate
 
 _IMPLS = ("auto", "torch", "triton")
 #: ``count_thresholds`` marker of ``paged_attention(return_counts=True)``: count under the serving lambda.
@@ -24,12 +24,57 @@ def _backend(impl: str, query: torch.Tensor) -> str:
     return impl
 
 
+def _unchecked_lambda(threshold, num_seqs: int, device) -> float | torch.Tensor:
+    """Serving lambda without reading device data: a float, or a float32 ``[S]`` tensor on
+    ``device`` (a 0-d tensor is expanded).  Values are the caller's responsibility."""
+    if isinstance(threshold, torch.Tensor):
+        if threshold.dim() == 0:
+            threshold = threshold.expand(num_seqs)
+        if tuple(threshold.shape) != (num_seqs,):
+            raise ValueError(f"paged_attention: threshold shape: got {tuple(threshold.shape)}, expected "
+                             f"[num_seqs] = [{num_seqs}] (check=False takes a float or a float32 [S] tensor)")
+        return threshold.to(device, torch.float32)
+    return check_seq_threshold(threshold, num_seqs)
+
+
+def _host_meta(query, key_cache, seq_lens, query_start_loc) -> BatchMeta:
+    """The batch on the host without validation (CPU tensors only: reading them is no sync)."""
+    qsl = query_start_loc.tolist()
+    return BatchMeta(seq_lens.tolist(), qsl[:-1], [b - a for a, b in zip(qsl[:-1], qsl[1:])],
+                     query.shape[1], key_cache.shape[2], query.shape[2], key_cache.shape[1])
+
+
 def _run(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale, causal, out, impl,
-         threshold, count_thresholds):
+         threshold, count_thresholds, split_k=None, check=True, max_query_len=None):
     """``threshold``: serving lambda as given by the caller; ``count_thresholds``: ``None``,
-    ``_SERVING`` (count under the serving lambda) or the caller's candidate lambdas."""
-    meta = validate(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale, out)
+    ``_SERVING`` (count under the serving lambda) or the caller's candidate lambdas.
+    ``check=False``: no validation and no host read of device data (capture-safe)."""
+    split_k = check_split(split_k)
     backend = _backend(impl, query)
+    if not check:
+        num_seqs = seq_lens.shape[0]
+        lam = _unchecked_lambda(threshold, num_seqs, query.device)
+        if count_thresholds is _SERVING:
+            count_thresholds = lam[None, :] if isinstance(lam, torch.Tensor) \
+                else torch.full((1, num_seqs), lam, dtype=torch.float32, device=query.device)
+        if out is None:
+            out = torch.empty_like(query, memory_format=torch.contiguous_format)
+        if query.shape[0] == 0:
+            n = count_thresholds.shape[0] if count_thresholds is not None else 0
+            return out, torch.zeros(n, query.shape[1], dtype=torch.int64, device=query.device), \
+                torch.zeros(query.shape[1], dtype=torch.int64, device=query.device)
+        if backend == "torch":
+            meta = _host_meta(query, key_cache, seq_lens, query_start_loc)
+            return torch_impl.forward(query, key_cache, value_cache, block_table, meta, scale=float(scale),
+                                      causal=causal, threshold=lam, count_thresholds=count_thresholds, out=out,
+                                      split_k=split_k)
+        from . import triton_impl
+
+        return triton_impl.forward(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, None,
+                                   scale=float(scale), causal=causal, threshold=lam,
+                                   count_thresholds=count_thresholds, out=out, split_k=split_k,
+                                   max_query_len=max_query_len)
+    meta = validate(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale, out)
     num_seqs = len(meta.seq_lens)
     if count_thresholds is None or count_thresholds is _SERVING:
         lam = check_seq_threshold(threshold, num_seqs)
@@ -49,12 +94,13 @@ def _run(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, 
             torch.zeros(hq, dtype=torch.int64, device=query.device)
     if backend == "torch":
         return torch_impl.forward(query, key_cache, value_cache, block_table, meta, scale=float(scale),
-                                  causal=causal, threshold=threshold, count_thresholds=count_thresholds, out=out)
+                                  causal=causal, threshold=threshold, count_thresholds=count_thresholds, out=out,
+                                  split_k=split_k)
     from . import triton_impl  # imported lazily: triton is optional, and tests set TRITON_INTERPRET first
 
     return triton_impl.forward(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, meta,
                                scale=float(scale), causal=causal, threshold=threshold,
-                               count_thresholds=count_thresholds, out=out)
+                               count_thresholds=count_thresholds, out=out, split_k=split_k)
 
 
 def paged_attention(
@@ -71,6 +117,9 @@ def paged_attention(
     out: torch.Tensor | None = None,
     impl: str = "auto",
     return_counts: bool = False,
+    split_k: int | None = None,
+    max_query_len: int | None = None,
+    check: bool = True,
 ):
     """Varlen paged attention with skip-softmax (BLASST) tile skipping.
 
@@ -96,13 +145,28 @@ def paged_attention(
         out: optional ``[T, Hq, D]`` output buffer of the query's dtype.
         impl: ``"auto"`` (Triton for CUDA tensors, torch otherwise), ``"torch"``, ``"triton"``.
         return_counts: also return per-head tile counts.
+        split_k: KV positions per split of the skip rule (``None`` = ``SPLIT_K``; a
+            multiple of ``TILE_K``).  The dense running max restarts at every split, so
+            counts depend on it: calibrate with the value you serve with.
+        max_query_len: host int, an upper bound on every sequence's query length; only
+            read with ``check=False`` (default: the number of query tokens).  1 selects
+            the split-KV decode launch.
+        check: ``True`` validates every argument (one device->host copy of
+            ``seq_lens`` / ``query_start_loc`` and a block-table reduction).  ``False`` is
+            the capture-safe path for CUDA graphs: no validation and no host read of
+            device data; ``threshold`` must be a float or a float32 ``[S]`` tensor (finite,
+            >= 0: not checked), the grid is sized from shapes and host ints (KV bound
+            ``block_table.shape[1] * page_size``, query bound ``max_query_len``), the
+            arguments must satisfy everything ``check=True`` verifies, and the counts
+            stay device tensors.
 
     Returns:
         ``out`` ``[T, Hq, D]`` in the query dtype (fp32 accumulation), or with
         ``return_counts`` ``(out, skipped, visited)``, both int64 ``[Hq]`` tile counts.
     """
     out, skipped, visited = _run(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale,
-                                 causal, out, impl, threshold, _SERVING if return_counts else None)
+                                 causal, out, impl, threshold, _SERVING if return_counts else None,
+                                 split_k=split_k, check=check, max_query_len=max_query_len)
     if return_counts:
         return out, skipped[0], visited
     return out
@@ -121,10 +185,12 @@ def paged_attention_counts(
     causal: bool = True,
     out: torch.Tensor | None = None,
     impl: str = "auto",
+    split_k: int | None = None,
 ):
     """Calibration pass: dense attention plus skip counts for many candidate lambdas.
 
-    Arguments as :func:`paged_attention`; ``thresholds`` is either a list or 1-D tensor of
+    Arguments as :func:`paged_attention` (``split_k`` must be the value served with);
+    ``thresholds`` is either a list or 1-D tensor of
     ``n`` candidate lambdas (the same for every sequence) or a 2-D ``[n, S]`` list/tensor
     (candidate ``j``'s lambda for sequence ``s``); each finite, >= 0.  Nothing is skipped.
     ``skipped[j, h]`` counts the visited KV tiles of query head ``h`` (over all query tiles
@@ -138,4 +204,4 @@ def paged_attention_counts(
         lambda).
     """
     return _run(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale, causal, out, impl,
-                0.0, thresholds)
+                0.0, thresholds, split_k=split_k)

@@ -30,7 +30,7 @@ import threading
 
 import torch
 
-from ._common import TILE_K, TILE_Q, BatchMeta
+from ._common import SPLIT_K, TILE_K, TILE_Q, BatchMeta
 
 # Chunk sizing, in elements per chunk.  Scores are a fresh tensor per chunk: 2**22 fp32
 # (16 MiB) stays below glibc's largest mmap threshold, so malloc recycles it instead of
@@ -79,8 +79,12 @@ def forward(
     threshold: float | torch.Tensor,
     count_thresholds: torch.Tensor | None,
     out: torch.Tensor,
+    split_k: int = SPLIT_K,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Fill ``out`` [T, Hq, D] and return ``(out, skipped, visited)``.
+
+    ``split_k`` (KV positions, a multiple of ``TILE_K``) is the rule's split length: the
+    dense running max restarts at every split boundary.
 
     ``threshold`` is the lambda applied (0 = dense): a float, or a float32 ``[S]`` tensor
     with one lambda per sequence.  With ``count_thresholds`` (float32 ``[n, S]``: candidate
@@ -106,7 +110,7 @@ def forward(
     bt = block_table.long()
     for seqs, rows in groups:
         visited += _run_group(query, key_cache, value_cache, bt, meta, seqs, rows, scale, causal,
-                              threshold, count_thresholds if n_thr else None, skipped, out)
+                              threshold, count_thresholds if n_thr else None, skipped, out, split_k // TILE_K)
     if not counting:
         return out, None, None
     return out, skipped, visited.expand(hq).clone()
@@ -220,13 +224,14 @@ def _sub_batches(b: int, per_seq: int):
 
 
 def _run_group(query, key_cache, value_cache, bt, meta, seqs, rows, scale, causal, threshold, lams,
-               skipped, out):
+               skipped, out, tps):
     """Attention for one group of sequences; returns the group's visited-tile count (per head).
 
     All sequences of the group have ``nq`` query tiles of ``rows`` rows each
     (``rows <= TILE_Q``; ``nq > 1`` only for a single-sequence group).  Per-row state is
     ``[Hkv, B, M]`` with ``M = nq * g * rows`` rows in (query tile, head-in-group, row)
-    order, so one KV head's rows of a sequence are one contiguous matrix.
+    order, so one KV head's rows of a sequence are one contiguous matrix.  ``tps``: KV
+    tiles per split of the skip rule (the dense running max restarts at each split).
     """
     hkv, g, d, page = meta.num_kv_heads, meta.group, meta.head_dim, meta.page_size
     seqs = sorted(seqs, key=lambda s: -meta.seq_lens[s])  # active sequences form a prefix
@@ -308,14 +313,14 @@ def _run_group(query, key_cache, value_cache, bt, meta, seqs, rows, scale, causa
         if test:
             tile_max = s.view(hkv, b, m_rows, c, TILE_K).amax(-1)               # [Hkv, b, M, c]
             md = m_dense[:, :b, row_lo:]
-            m_before = torch.cat([md.unsqueeze(-1), tile_max[..., :-1]], -1).cummax(-1).values
+            m_before, m_after = _split_cummax(tile_max, md, t0, tps)
             chunk_max = tile_max.amax(-1)
-            md.copy_(torch.maximum(md, chunk_max))
+            md.copy_(m_after)
             ratio = torch.exp(tile_max - m_before)
             ratio = torch.where(valid_rows[:b, row_lo:, None], ratio, 0.0)
             ratio = ratio.view(hkv, b, nqa, g, rows, c).amax(4)                  # [Hkv, b, nqa, g, c]
             vis = tiles <= last_tile[:b, qt_lo:, None]                           # [b, nqa, c]
-            countable = (vis & (tiles > 0)).view(1, b, nqa, 1, c)
+            countable = (vis & (tiles % tps != 0)).view(1, b, nqa, 1, c)   # split openers never skip
             visited += vis.sum()
             if lams is not None:
                 r_c = torch.where(countable, ratio, float("inf"))
@@ -360,6 +365,33 @@ def _run_group(query, key_cache, value_cache, bt, meta, seqs, rows, scale, causa
     o = o.view(hkv, b_all, nq, g, rows, d).permute(1, 2, 4, 0, 3, 5).reshape(b_all, nq * rows, -1, d)
     out[tok[row_valid].to(out.device)] = o[row_valid].to(out.dtype)
     return visited
+
+
+def _split_cummax(tile_max, md, t0, tps):
+    """Dense running max of the rule, restarting at every split boundary.
+
+    ``tile_max`` [..., c] holds KV tiles ``t0 .. t0+c-1``; ``md`` [...] is the running max
+    carried in from the tiles before ``t0`` of ``t0``'s split.  Returns ``(m_before
+    [..., c], m_after [...])``: the exclusive running max of each tile within its split and
+    the running max after the chunk's last tile (to carry into the next chunk).
+    """
+    c = tile_max.shape[-1]
+    p = t0 % tps
+    if p + c <= tps:  # the chunk stays inside one split (no boundary except maybe at t0)
+        init = md.unsqueeze(-1) if p else torch.full_like(md, float("-inf")).unsqueeze(-1)
+        cm = torch.cat([init, tile_max], -1).cummax(-1).values
+        return cm[..., :-1], cm[..., -1]
+    n_seg = -(-(p + c) // tps)
+    lead = tile_max.shape[:-1]
+    padded = tile_max.new_full(lead + (n_seg * tps,), float("-inf"))
+    padded[..., p:p + c] = tile_max
+    init = tile_max.new_full(lead + (n_seg, 1), float("-inf"))
+    if p:
+        init[..., 0, 0] = md
+    cm = torch.cat([init, padded.view(lead + (n_seg, tps))], -1).cummax(-1).values   # [..., n_seg, tps+1]
+    m_before = cm[..., :-1].flatten(-2)[..., p:p + c]
+    end = p + c - 1
+    return m_before, cm[..., end // tps, end % tps + 1]
 
 
 def _group_lambdas(threshold, seqs):

@@ -55,3 +55,24 @@ def test_cli_without_vllm_and_with_bad_override():
 def test_cli_help_explains():
     text = run_cli("--help")
     assert text.returncode == 0 and "--json" in text.stdout and "SPARSE_ATTN_KV_LAYOUT" in text.stdout
+
+
+def test_cli_exits_nonzero_for_any_invalid_variable_it_shows():
+    """SPARSE_ATTN_STRICT is not read by the probe; an invalid value must still fail here."""
+    bad = run_cli(env={"SPARSE_ATTN_STRICT": "maybe", "SPARSE_ATTN_STATS_INTERVAL_S": "-1"})
+    assert bad.returncode == 2, bad.stdout
+    assert "SPARSE_ATTN_STRICT='maybe' is not a boolean" in bad.stderr
+    assert "SPARSE_ATTN_STATS_INTERVAL_S='-1' is not a number >= 0" in bad.stderr
+    assert "SPARSE_ATTN_STRICT=maybe (INVALID)" in bad.stdout and "Traceback" not in bad.stderr
+
+
+def test_cli_treats_empty_variables_as_defaults():
+    from compat import envs
+
+    text = run_cli(env={name: "" for name in envs.REGISTRY})
+    assert text.returncode == 0, text.stderr
+
+
+def test_cli_refuses_a_duplicate_backend_in_the_layout_override():
+    bad = run_cli(env={"SPARSE_ATTN_KV_LAYOUT": "CPU_ATTN=cpu-packed,CPU_ATTN=packed"})
+    assert bad.returncode == 2 and "CPU_ATTN is given twice" in bad.stderr

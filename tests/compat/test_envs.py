@@ -77,3 +77,43 @@ def test_defaults(monkeypatch):
 def test_readme_documents_every_variable_and_no_other():
     rows = re.findall(r"^\|\s*`(SPARSE_ATTN_[A-Z0-9_]+)`\s*\|\s*`([^`]*)`\s*\|", README.read_text(), flags=re.M)
     assert {name: default for name, default in rows} == {name: var.default for name, var in envs.REGISTRY.items()}
+
+
+@pytest.mark.parametrize("name", list(envs.REGISTRY))
+@pytest.mark.parametrize("raw", ["", "   "], ids=["empty", "blank"])
+def test_empty_means_default_for_every_variable(monkeypatch, name, raw):
+    monkeypatch.delenv(name, raising=False)
+    default = envs.get(name)
+    envs.reset_for_tests()
+    monkeypatch.setenv(name, raw)
+    assert envs.get(name) == default
+
+
+def test_duplicate_backend_in_layout_override_is_an_error(monkeypatch):
+    monkeypatch.setenv("SPARSE_ATTN_KV_LAYOUT", "FLASHINFER=packed,CPU_ATTN=cpu-packed,FLASHINFER=kv-first")
+    with pytest.raises(compat.InvalidOverrideError) as info:
+        envs.get("SPARSE_ATTN_KV_LAYOUT")
+    assert "FLASHINFER is given twice ('packed' and 'kv-first')" in str(info.value)
+
+
+def test_every_layout_name_the_env_accepts_has_a_view_in_the_catalogue():
+    from compat import layouts
+
+    assert set(envs.LAYOUT_NAMES) == {layout.value for layout in layouts.VIEW_FUNCTIONS}
+
+
+@pytest.mark.parametrize("name", ["SPARSE_ATTN_KV_LAYOUT", "SPARSE_ATTN_CACHE_WRITER", "SPARSE_ATTN_DISABLE", "SPARSE_ATTN_STRICT"])
+def test_every_documented_choice_is_accepted(monkeypatch, name):
+    """The choices text shown by `python -m compat` and the README lists only values the parser takes."""
+    listed = [c.strip().removeprefix("backends ") for part in envs.REGISTRY[name].choices.split(";") for c in part.split(",")]
+    backends = [c for c in listed if c in envs.BACKENDS]
+    values = [c for c in listed if c not in envs.BACKENDS]
+    assert values
+    for value in values:
+        envs.reset_for_tests()
+        monkeypatch.setenv(name, value)
+        envs.get(name)
+    for backend in backends:
+        envs.reset_for_tests()
+        monkeypatch.setenv(name, f"{backend}={values[0]}")
+        assert envs.get(name) == {backend: values[0]}

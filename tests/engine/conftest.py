@@ -52,14 +52,9 @@ def run_driver(ckpt: Path, out: Path, timeout: int = 600, **env: str) -> subproc
 
 
 def skip_softmax_section(prefill: tuple[float, float] | None, decode: tuple[float, float] | None, target: float = 0.5) -> dict:
-    scale = {"formula": "a * exp(b * target_sparsity)"}
-    targets = {}
-    for phase, ab in (("prefill", prefill), ("decode", decode)):
-        if ab is not None:
-            scale[phase] = {"a": ab[0], "b": ab[1]}
-            targets[phase] = target
-    return {
-        "config_groups": {"group_0": {"algorithm": "skip_softmax", "targets": ["LlamaAttention"],
-                                      "threshold_scale_factor": scale, "target_sparsity": targets}},
-        "producer": {"name": "sparse-attn-tests", "version": "0"},
-    }
+    """A skip-softmax section with ``(a, b)`` per calibrated phase, through the product's one writer."""
+    from sparse_attn.calibration.export import build_sparse_attention_config
+
+    fits = {phase: ab for phase, ab in (("prefill", prefill), ("decode", decode)) if ab is not None}
+    return build_sparse_attention_config(fits, {phase: target for phase in fits}, target_classes=["LlamaAttention"],
+                                         producer_name="sparse-attn-tests", producer_version="0")

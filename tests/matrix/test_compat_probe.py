@@ -143,7 +143,9 @@ def test_seed_regression_packed_flashinfer_views():
         assert torch.equal(k, cache[:, 0]) and torch.equal(v, cache[:, 1])
     assert k.shape == v.shape == (B, N, H, D)
     assert k.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr()
-    assert compat.cache_writer("FLASHINFER") is None
+    # FlashInfer writes inside forward up to 0.16.0 (the adapter writes there); the
+    # recorded row says which, so the regression check does not assume one.
+    assert (compat.cache_writer("FLASHINFER") is None) == (EXPECTED[release(report)]["FLASHINFER"][2] == "vllm")
 
 
 WRONG = {"blocks-first": "packed", "kv-first": "packed", "packed": "blocks-first", "cpu-packed": "kv-first"}

@@ -115,3 +115,227 @@ def test_missing_output_dir(ckpt, tmp_path, capsys):
     assert code == 2 and "does not exist or is not writable" in msg
     assert not (tmp_path / "nope").exists()
     assert_nothing_written(ckpt, tmp_path / "nope" / "out.json", before)
+
+
+# --------------------------------------------------------------------------- #
+# issue 9.4: never lose a user's work; refuse before anything loads
+# --------------------------------------------------------------------------- #
+def token_prompts(tmp_path, *lengths):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt_token_ids": list(range(1, n + 1))}) + "\n" for n in lengths))
+    return data
+
+
+def test_output_naming_the_checkpoint_config_is_refused(ckpt, capsys):
+    before = (ckpt / "config.json").read_text()
+    code, msg = run(capsys, ckpt, "--output", ckpt / "config.json")
+    assert code == 2
+    assert "the checkpoint's config.json" in msg and "--update_checkpoint_config" in msg
+    assert_nothing_written(ckpt, ckpt / "nothing-else.json", before)
+
+
+def test_output_reaching_the_checkpoint_config_through_a_symlink_is_refused(ckpt, tmp_path, capsys):
+    link = tmp_path / "report.json"
+    link.symlink_to(ckpt / "config.json")
+    before = (ckpt / "config.json").read_text()
+    code, msg = run(capsys, ckpt, "--output", link)
+    assert code == 2 and "the checkpoint's config.json" in msg
+    assert (ckpt / "config.json").read_text() == before and link.is_symlink()
+
+
+def test_output_naming_the_prompts_file_is_refused(ckpt, tmp_path, capsys):
+    data = token_prompts(tmp_path, 10)
+    before = data.read_text()
+    code, msg = run(capsys, ckpt, "--prompts_file", data, "--output", data)
+    assert code == 2 and "your calibration data" in msg
+    assert data.read_text() == before
+
+
+def test_output_replacing_another_checkpoint_file_is_refused(ckpt, capsys):
+    (ckpt / "tokenizer.json").write_text('{"version": "1.0"}')
+    code, msg = run(capsys, ckpt, "--output", ckpt / "tokenizer.json")
+    assert code == 2 and "is not a calibration report" in msg
+    assert (ckpt / "tokenizer.json").read_text() == '{"version": "1.0"}'
+
+
+def test_output_naming_a_directory_is_refused(ckpt, tmp_path, capsys):
+    before = (ckpt / "config.json").read_text()
+    code, msg = run(capsys, ckpt, "--output", tmp_path)
+    assert code == 2 and f"--output {tmp_path} is a directory" in msg
+    assert_nothing_written(ckpt, tmp_path / "sparse_attn_calibration.json", before)
+
+
+def test_plot_without_matplotlib_is_refused(ckpt, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    out = tmp_path / "out.json"
+    before = (ckpt / "config.json").read_text()
+    code, msg = run(capsys, ckpt, "--plot", tmp_path / "fit", "--output", out)
+    assert code == 2 and "--plot" in msg and "matplotlib" in msg and "pip install matplotlib" in msg
+    assert_nothing_written(ckpt, out, before)
+
+
+def test_plot_naming_a_directory_is_refused(ckpt, tmp_path, capsys):
+    code, msg = run(capsys, ckpt, "--plot", tmp_path, "--output", tmp_path / "out.json")
+    assert code == 2 and f"--plot {tmp_path} is a directory" in msg
+
+
+@pytest.mark.parametrize("key, fix", [
+    ("model", "CKPT argument"),
+    ("enable_prefix_caching", "without a prefix cache"),
+    ("enforce_eager", "always runs eager"),
+    ("max_model_len", "--max_model_len"),
+    ("tensor_parallel_size", "--tensor_parallel_size"),
+    ("dtype", "--dtype"),
+])
+def test_engine_kwargs_may_not_override_what_calibration_sets(ckpt, tmp_path, capsys, key, fix):
+    # Synthetic data (no --prompts_file): a late check would first import the
+    # poisoned transformers and fail with an ImportError instead.
+    out = tmp_path / "out.json"
+    before = (ckpt / "config.json").read_text()
+    code, msg = run(capsys, ckpt, "--engine_kwargs", json.dumps({key: 1, "kv_cache_memory_bytes": 1}), "--output", out)
+    assert code == 2 and f"--engine_kwargs may not set {key!r}" in msg and fix in msg
+    assert "kv_cache_memory_bytes" not in msg
+    assert_nothing_written(ckpt, out, before)
+
+
+def test_engine_kwargs_checked_before_the_tokenizer(ckpt, tmp_path, capsys):
+    code, msg = run(capsys, ckpt, "--engine_kwargs", "[1]", "--output", tmp_path / "out.json")
+    assert code == 2 and "--engine_kwargs must be a JSON object" in msg
+
+
+@pytest.fixture
+def short_model(ckpt):
+    config = json.loads((ckpt / "config.json").read_text())
+    config["max_position_embeddings"] = 2048
+    (ckpt / "config.json").write_text(json.dumps(config, indent=2))
+    return ckpt
+
+
+def test_default_calib_max_seqlen_is_clamped_to_the_model_limit(short_model, tmp_path, capsys):
+    # A 2100-token prompt fits the default 16384 but not the model's 2048: the
+    # clamp shows as the limit the length check applies.
+    data = token_prompts(tmp_path, 100, 2100)
+    code, msg = run(capsys, short_model, "--prompts_file", data, "--decode_tokens", 0, "--output", tmp_path / "out.json")
+    assert code == 2
+    assert "context limit is 2048 tokens (config.json max_position_embeddings)" in msg
+    assert "using --calib_max_seqlen 2048 instead of the default 16384" in msg
+    assert "2100 tokens + 0 decode tokens > --max_model_len 2048" in msg
+
+
+@pytest.mark.parametrize("flag", ["--max_model_len", "--calib_max_seqlen"])
+def test_explicit_length_over_the_model_limit_is_an_error(short_model, tmp_path, capsys, flag):
+    code, msg = run(capsys, short_model, flag, 4096, "--output", tmp_path / "out.json")
+    assert code == 2
+    assert f"{flag} 4096 exceeds the model's context limit of 2048 tokens (config.json max_position_embeddings)" in msg
+    assert f"pass {flag} 2048 or less" in msg
+
+
+@pytest.mark.parametrize("value", [0, -5])
+def test_max_model_len_zero_is_an_error(ckpt, tmp_path, capsys, value):
+    code, msg = run(capsys, ckpt, "--max_model_len", value, "--output", tmp_path / "out.json")
+    assert code == 2 and f"--max_model_len {value} must be a positive number of tokens" in msg
+
+
+def test_stale_temp_file_of_a_dead_process_is_removed_at_start(ckpt, tmp_path, capsys):
+    import subprocess
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    stale = ckpt / f".config.json.sparse-attn-{dead}.abc123.tmp"
+    stale.write_text("{half")
+    live = ckpt / f".config.json.sparse-attn-{os.getpid()}.def456.tmp"
+    live.write_text("{in flight")
+    foreign = ckpt / ".config.json.abc.tmp"
+    foreign.write_text("not ours")
+    code, msg = run(capsys, ckpt, "--max_model_len", 0, "--output", tmp_path / "out.json")
+    assert code == 2  # refused after the checks, but the litter was cleared
+    code, msg = run(capsys, ckpt, "--prompts_file", token_prompts(tmp_path, 5000), "--max_model_len", 1024,
+                    "--output", tmp_path / "out.json")
+    assert code == 2 and f"removed {stale}" in msg
+    assert not stale.exists() and live.exists() and foreign.exists()
+
+
+class _EngineStarted(Exception):
+    pass
+
+
+def test_calibrate_leaves_the_callers_environment_as_it_was(ckpt, tmp_path, capsys, monkeypatch):
+    """The counting-mode scales reach the engine (it reads them when it starts) and
+    are gone again after calibrate returns, even when the engine fails."""
+    import types
+
+    import compat.launch
+    import sparse_attn.plugin  # imported while vllm is still poisoned: the probe sees no vLLM
+
+    seen = {}
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            seen["env"] = os.environ.get(sparse_attn.plugin.CALIBRATION_ENV)
+            seen["kwargs"] = kwargs
+            raise _EngineStarted()
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=FakeLLM))
+    monkeypatch.setitem(sys.modules, "tqdm", types.SimpleNamespace(tqdm=None))
+    monkeypatch.setattr(compat.launch, "platform_is_cpu", lambda: False)
+    monkeypatch.setenv(sparse_attn.plugin.CALIBRATION_ENV, "caller's own value")
+    with pytest.raises(_EngineStarted):
+        main(["calibrate", str(ckpt), "--prompts_file", str(token_prompts(tmp_path, 600, 700)), "--max_model_len", "1024",
+              "--decode_tokens", "4", "--output", str(tmp_path / "out.json"), "--engine_kwargs", '{"gpu_memory_utilization": 0.5}'])
+    assert json.loads(seen["env"])  # the candidate scales, as JSON
+    assert os.environ[sparse_attn.plugin.CALIBRATION_ENV] == "caller's own value"
+    kwargs = seen["kwargs"]
+    assert kwargs["model"] == str(ckpt) and kwargs["max_model_len"] == 1024 and kwargs["gpu_memory_utilization"] == 0.5
+    assert kwargs["enforce_eager"] is True and kwargs["enable_prefix_caching"] is False
+    assert not (tmp_path / "out.json").exists()
+
+
+# --------------------------------------------------------------------------- #
+# issue 9.4: a section that is not ours, and the Qwen dual-chunk file, are refused before vLLM
+# --------------------------------------------------------------------------- #
+MINIMAX_CONFIG = """{
+  "architectures": ["MiniMaxM3ForCausalLM"],
+  "model_type": "minimax_m3",
+  "sparse_attention_config": {"use_sparse_attention": true, "sparse_topk_blocks": 16, "sparse_block_size": 64}
+}
+"""
+
+
+def test_update_checkpoint_config_refuses_a_minimax_section_before_vllm_starts(ckpt, tmp_path, capsys):
+    (ckpt / "config.json").write_text(MINIMAX_CONFIG)
+    before = (ckpt / "config.json").read_bytes()
+    out = tmp_path / "out.json"
+    # Synthetic data: had the check come later, the poisoned transformers import would fail first.
+    code, msg = run(capsys, ckpt, "--output", out, "--update_checkpoint_config")
+    assert code == 2
+    assert "--update_checkpoint_config: refusing to update" in msg and "sparse_topk_blocks" in msg
+    assert "expected absent, or ModelOpt / TensorRT-LLM metadata" in msg and "merge the report written with --output" in msg
+    assert (ckpt / "config.json").read_bytes() == before
+    assert not out.exists() and sorted(p.name for p in ckpt.iterdir()) == ["config.json"]
+
+
+@pytest.mark.parametrize("exists", [False, True], ids=["not-there-yet", "already-there"])
+def test_output_naming_the_qwen_dual_chunk_file_is_refused(ckpt, capsys, exists):
+    qwen = ckpt / "sparse_attention_config.json"
+    if exists:
+        qwen.write_text('{"sparse_attention_enabled": true}')
+    code, msg = run(capsys, ckpt, "--output", qwen)
+    assert code == 2
+    assert "Qwen dual-chunk attention" in msg and "dual_chunk_attention_config" in msg
+    assert "Fix: pass another path (the default is ./sparse_attn_calibration.json)" in msg
+    assert qwen.exists() == exists and (not exists or qwen.read_text() == '{"sparse_attention_enabled": true}')
+
+
+def test_relative_output_resolving_to_the_qwen_dual_chunk_file_is_refused(ckpt, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ckpt)
+    code, msg = run(capsys, ckpt, "--output", "./sparse_attention_config.json")
+    assert code == 2 and "Qwen dual-chunk attention" in msg
+    assert sorted(p.name for p in ckpt.iterdir()) == ["config.json"]
+
+
+def test_default_output_inside_the_checkpoint_passes_the_output_checks(ckpt, capsys, monkeypatch):
+    """Run from inside the checkpoint with the default --output: no collision with a file
+    the model loads, so the run gets past the output checks to the next one (here a bad length)."""
+    monkeypatch.chdir(ckpt)
+    code, msg = run(capsys, ckpt, "--max_model_len", 0)
+    assert code == 2 and "--max_model_len 0 must be a positive number of tokens" in msg, msg
+    assert sorted(p.name for p in ckpt.iterdir()) == ["config.json"]

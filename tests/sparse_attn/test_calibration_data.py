@@ -1,4 +1,5 @@
-"""sparse_attn.calibration.data: synthetic RULER-style prompts and the prepared-set loader."""
+"""sparse_attn.calibration.synthetic (RULER-style prompts) and .prompts (the prompt-file
+format, its loader and the one length check)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,9 @@ import re
 import pytest
 
 from sparse_attn.calibration import CalibrationError
-from sparse_attn.calibration.data import (
-    SAMPLES_FILE,
-    TASKS,
-    CalibrationDataError,
-    CalibrationSample,
-    generate_calibration_samples,
-    length_bins,
-    load_calibration_dir,
-    write_calibration_dir,
-)
+from sparse_attn.calibration.errors import CalibrationDataError
+from sparse_attn.calibration.prompts import SAMPLES_FILE, CalibrationSample, check_lengths, load_prompts
+from sparse_attn.calibration.synthetic import TASKS, generate_calibration_samples, length_bins
 
 
 class WhitespaceTokenizer:
@@ -138,19 +132,26 @@ def test_error_hierarchy():
     assert issubclass(CalibrationDataError, ValueError)
 
 
-def test_write_then_load_round_trip(tmp_path, samples):
-    path = write_calibration_dir(tmp_path / "calib", samples, metadata={"seed": 7})
-    assert path.name == SAMPLES_FILE
-    assert json.loads((tmp_path / "calib" / "manifest.json").read_text()) == {"seed": 7}
-    loaded = load_calibration_dir(tmp_path / "calib", tokenizer=WS, max_model_len=8192, num_decode_tokens=10)
-    assert loaded == samples
-    assert loaded[0].source == f"{path}:1"
+def test_synthetic_set_round_trips_through_the_documented_format(tmp_path, samples):
+    """A samples.jsonl written by hand from the documented keys loads back to the same prompts."""
+    d = tmp_path / "calib"
+    d.mkdir()
+    lines = [json.dumps({"prompt": s.prompt, "task": s.task, "target_len": s.target_len, "answers": list(s.answers)})
+             for s in samples]
+    (d / SAMPLES_FILE).write_text("\n".join(lines) + "\n")
+    loaded = load_prompts(d)
+    assert [(s.prompt, s.task, s.target_len, s.answers) for s in loaded] == [
+        (s.prompt, s.task, s.target_len, s.answers) for s in samples]
+    assert loaded[0].source == f"{d / SAMPLES_FILE}:1"
+    checked = check_lengths(loaded, WS, max_model_len=8192, decode_tokens=10)
+    assert [c.num_tokens for c in checked] == [s.num_tokens for s in samples]
+    assert [list(c.prompt_token_ids) for c in checked] == [WS.encode(s.prompt) for s in samples]
 
 
 def test_load_plain_text_one_prompt_per_line(tmp_path):
     f = tmp_path / "prompts.txt"
     f.write_text("first prompt here\n\n  \nsecond prompt\n")
-    out = load_calibration_dir(f)
+    out = load_prompts(f)
     assert [s.prompt for s in out] == ["first prompt here", "second prompt"]
     assert out[1].source.endswith("prompts.txt:4")
 
@@ -158,16 +159,18 @@ def test_load_plain_text_one_prompt_per_line(tmp_path):
 def test_load_jsonl_with_token_ids_and_strings(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt_token_ids": [1, 2, 3]}\n"just a string prompt"\n{"prompt": "x y", "task": "qa", "answers": ["y"]}\n')
-    out = load_calibration_dir(f, tokenizer=WS, max_model_len=10, num_decode_tokens=2)
+    out = load_prompts(f)
     assert out[0] == CalibrationSample(prompt_token_ids=(1, 2, 3), num_tokens=3)
-    assert out[1].prompt == "just a string prompt" and out[1].num_tokens == 4
+    assert out[1].prompt == "just a string prompt" and out[1].num_tokens is None
+    checked = check_lengths(out, WS, max_model_len=10, decode_tokens=2)
+    assert [c.num_tokens for c in checked] == [3, 4, 2]
     assert out[2].task == "qa" and out[2].answers == ("y",)
 
 
 def test_load_json_list(tmp_path):
     f = tmp_path / "p.json"
     f.write_text(json.dumps(["a b", {"prompt": "c"}]))
-    assert [s.prompt for s in load_calibration_dir(f)] == ["a b", "c"]
+    assert [s.prompt for s in load_prompts(f)] == ["a b", "c"]
 
 
 BAD_JSONL = [
@@ -187,7 +190,7 @@ def test_malformed_jsonl_names_file_and_line(tmp_path, content, where, what):
     f = tmp_path / "bad.jsonl"
     f.write_text(content)
     with pytest.raises(CalibrationDataError) as info:
-        load_calibration_dir(f)
+        load_prompts(f)
     msg = str(info.value)
     assert f"{f}{where}" in msg and what in msg and "Fix:" in msg
 
@@ -196,30 +199,37 @@ def test_empty_set_is_rejected(tmp_path):
     f = tmp_path / "empty.jsonl"
     f.write_text("\n\n")
     with pytest.raises(CalibrationDataError, match="empty"):
-        load_calibration_dir(f)
+        load_prompts(f)
 
 
 def test_missing_data_is_rejected(tmp_path):
     with pytest.raises(CalibrationDataError, match="no such file"):
-        load_calibration_dir(tmp_path / "nope")
+        load_prompts(tmp_path / "nope")
     (tmp_path / "other.txt").write_text("x")
     with pytest.raises(CalibrationDataError, match=r"no samples\.jsonl .*other\.txt"):
-        load_calibration_dir(tmp_path)
+        load_prompts(tmp_path)
 
 
 def test_sample_longer_than_max_model_len(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "a b c"}\n{"prompt": "a b c d e f g h"}\n')
+    loaded = load_prompts(f)
     with pytest.raises(CalibrationDataError) as info:
-        load_calibration_dir(f, tokenizer=WS, max_model_len=10, num_decode_tokens=3)
+        check_lengths(loaded, WS, max_model_len=10, decode_tokens=3)
     msg = str(info.value)
-    assert f"{f}:2" in msg and "8 tokens" in msg and "11 > max_model_len=10" in msg
+    assert f"{f}:2" in msg and "8 tokens + 3 decode tokens > --max_model_len 10" in msg and "Fix:" in msg
     # the same file fits once decode tokens leave room
-    assert len(load_calibration_dir(f, tokenizer=WS, max_model_len=10, num_decode_tokens=2)) == 2
+    assert len(check_lengths(loaded, WS, max_model_len=10, decode_tokens=2)) == 2
 
 
 def test_text_prompts_need_a_tokenizer_for_length_checks(tmp_path):
     f = tmp_path / "p.txt"
     f.write_text("a b c\n")
     with pytest.raises(CalibrationDataError, match="tokenizer is needed"):
-        load_calibration_dir(f, max_model_len=100)
+        check_lengths(load_prompts(f), None, max_model_len=100, decode_tokens=0)
+
+
+@pytest.mark.parametrize("max_model_len", [0, -1, True], ids=["zero", "negative", "bool"])
+def test_length_check_rejects_bad_limit(max_model_len):
+    with pytest.raises(CalibrationDataError, match="max_model_len must be a positive integer"):
+        check_lengths([CalibrationSample(prompt_token_ids=(1,))], None, max_model_len=max_model_len, decode_tokens=0)

@@ -6,15 +6,20 @@ import copy
 import dataclasses
 import json
 import math
+import time
 
 import pytest
 
 from sparse_attn.config import (
     DEFAULT_TARGET_SPARSITY,
+    LN_SCALE_BOUND,
     PhaseFit,
     SparseAttentionConfigError,
+    UnservedGroup,
+    is_modelopt_section,
     load_from_checkpoint,
     parse_sparse_attention_config,
+    read_section,
 )
 
 CANONICAL = {
@@ -126,7 +131,7 @@ def test_missing_phase_runs_dense_and_is_reported():
     assert cfg.missing_phases == ("decode",)
     assert cfg.threshold("decode", 4096) is None
     assert cfg.threshold("prefill", 4096) is not None
-    assert any("decode runs dense" in w for w in cfg.warnings)
+    assert any("no calibrated threshold for the decode phase; it runs dense" in w for w in cfg.warnings)
     assert "decode" not in cfg.to_dict()["config_groups"]["group_0"]["threshold_scale_factor"]
 
 
@@ -300,3 +305,288 @@ def test_load_from_checkpoint_errors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"sparse_attention_config": bad}))
     with pytest.raises(SparseAttentionConfigError, match=r"threshold_scale_factor\.prefill\.a in .*config\.json"):
         load_from_checkpoint(tmp_path)
+
+
+# --------------------------------------------------------------------------- #
+# whose section is it (issue 9 item 1)
+# --------------------------------------------------------------------------- #
+MINIMAX = {"use_sparse_attention": True, "sparse_index_dim": 128, "sparse_topk_blocks": 16, "sparse_block_size": 128}
+NM_GROUP = {"algorithm": "sparse_softmax", "sparsity_n": 2, "sparsity_m": 4, "dense_sink_tokens": 0, "dense_recent_tokens": 64}
+
+FOREIGN_CASES = [
+    ("minimax_m3", MINIMAX),
+    ("list", [1, 2]),
+    ("string", "enabled"),
+    ("number", 16),
+    ("bool", True),
+    ("empty_object", {}),
+    ("config_groups_empty", {"config_groups": {}}),
+    ("config_groups_not_object", {"config_groups": ["group_0"]}),
+    ("compressed_tensors_like_groups", {"config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4}}}}),
+    ("groups_are_not_objects", {"config_groups": {"group_0": "skip_softmax"}}),
+]
+
+
+@pytest.mark.parametrize("section", [c[1] for c in FOREIGN_CASES], ids=[c[0] for c in FOREIGN_CASES])
+def test_sections_of_another_shape_are_not_ours_and_never_raise(section):
+    assert not is_modelopt_section(section)
+    reading = read_section(section, source="ckpt/config.json")
+    assert reading.config is None and not reading.ours and reading.present
+    assert "not ModelOpt / TensorRT-LLM skip-softmax metadata" in reading.note
+    assert "leaves vLLM attention native" in reading.note
+
+
+def test_foreign_note_names_the_keys_it_saw():
+    note = read_section(MINIMAX).note
+    assert "sparse_topk_blocks" in note and "use_sparse_attention" in note
+
+
+def test_absent_section_is_neither_ours_nor_present():
+    reading = read_section(None)
+    assert reading.config is None and not reading.ours and not reading.present
+
+
+OURS_CASES = [
+    ("current_layout", CANONICAL, "group_0"),
+    ("legacy_sparse_algo", {"config_groups": {"g": {"sparse_algo": "softmax_skip"}},
+                            "threshold_scale_factor": {"formula": "a * exp(b * target_sparsity)", "prefill": {"a": 1, "b": 1}}}, "g"),
+    ("skip_group_second", {"config_groups": {"group_0": NM_GROUP, "group_1": CANONICAL["config_groups"]["group_0"]}}, "group_1"),
+]
+
+
+@pytest.mark.parametrize("section,served", [c[1:] for c in OURS_CASES], ids=[c[0] for c in OURS_CASES])
+def test_modelopt_shaped_sections_are_ours(section, served):
+    assert is_modelopt_section(section)
+    reading = read_section(section)
+    assert reading.ours and reading.config is not None and reading.config.group.name == served
+
+
+def test_modelopt_metadata_without_a_skip_softmax_group_serves_nothing_and_lists_groups():
+    reading = read_section({"config_groups": {"group_1": NM_GROUP}})
+    assert reading.ours and reading.config is None
+    assert reading.unserved == (UnservedGroup("group_1", "sparse_softmax"),)
+    assert "no skip_softmax group" in reading.note and "group_1 ('sparse_softmax')" in reading.note
+    # the export check still insists on a skip-softmax group
+    with pytest.raises(SparseAttentionConfigError, match=r"group_1\.algorithm.*'sparse_softmax'"):
+        parse_sparse_attention_config({"config_groups": {"group_1": NM_GROUP}})
+
+
+# --------------------------------------------------------------------------- #
+# several groups (item 2)
+# --------------------------------------------------------------------------- #
+def _two_groups(skip_first: bool = True) -> dict:
+    obj = copy.deepcopy(CANONICAL)
+    skip = obj["config_groups"]["group_0"]
+    skip["initial_disabled_steps"] = 3
+    groups = {"group_0": skip, "group_1": copy.deepcopy(NM_GROUP)}
+    if not skip_first:
+        groups = {"group_1": copy.deepcopy(NM_GROUP), "group_0": skip}
+    obj["config_groups"] = groups
+    obj["producer"] = {"name": "modelopt", "version": "0.47.0"}
+    return obj
+
+
+@pytest.mark.parametrize("skip_first", [True, False], ids=["skip_group_first", "nm_group_first"])
+def test_two_group_modelopt_export_serves_skip_softmax_and_round_trips_verbatim(skip_first):
+    obj = _two_groups(skip_first)
+    cfg = parse_sparse_attention_config(obj)
+    assert cfg.group.name == "group_0" and cfg.fits["prefill"] == PhaseFit(7.93, 8.61)
+    assert cfg.unserved_groups == (UnservedGroup("group_1", "sparse_softmax"),)
+    out = cfg.to_dict()
+    assert out == obj
+    assert list(out["config_groups"]) == list(obj["config_groups"])  # file order kept
+    assert json.dumps(out) == json.dumps(obj)
+    assert parse_sparse_attention_config(out) == cfg
+
+
+def test_unserved_group_is_a_warning_naming_its_algorithm():
+    cfg = parse_sparse_attention_config(_two_groups())
+    notes = [w for w in cfg.warnings if "group_1" in w]
+    assert notes == [
+        "sparse_attention_config.config_groups.group_1 (algorithm 'sparse_softmax') is not served: this runtime "
+        "implements only skip_softmax, so this group's sparsity is not applied (set SPARSE_ATTN_STRICT=1 to make "
+        "this an error)"
+    ]
+
+
+def test_group_without_algorithm_beside_skip_group_is_reported_not_fatal():
+    obj = _two_groups()
+    obj["config_groups"]["group_2"] = {"targets": ["MLP"]}
+    reading = read_section(obj)
+    assert reading.config is not None
+    assert UnservedGroup("group_2", None) in reading.unserved
+    assert any("group_2 (no algorithm key) is not served" in w for w in reading.config.warnings)
+
+
+def test_unserved_groups_are_not_copied_by_reference():
+    obj = _two_groups()
+    cfg = parse_sparse_attention_config(obj)
+    obj["config_groups"]["group_1"]["sparsity_n"] = 99
+    assert cfg.to_dict()["config_groups"]["group_1"]["sparsity_n"] == 2
+
+
+@pytest.mark.parametrize("path,value,key_path", [
+    (["config_groups", "group_0", "threshold_scale_factor", "decode", "a"], -3, "group_0.threshold_scale_factor.decode.a"),
+    (["config_groups", "group_0", "target_sparsity", "prefill"], 1.5, "group_0.target_sparsity.prefill"),
+    (["config_groups", "group_0", "ignore"], ["re:(unclosed"], "group_0.ignore"),
+], ids=["negative_a", "target_above_one", "bad_regex"])
+def test_malformed_skip_group_beside_nm_group_still_fails_with_key_path(path, value, key_path):
+    obj = _two_groups()
+    node = obj
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    with pytest.raises(SparseAttentionConfigError) as info:
+        read_section(obj, source="ckpt/config.json")
+    assert info.value.path == f"sparse_attention_config.config_groups.{key_path}"
+
+
+# --------------------------------------------------------------------------- #
+# curves that would do harm (item 5)
+# --------------------------------------------------------------------------- #
+def _curve(coefs: dict, formula: str = "a * exp(b * target_sparsity)") -> dict:
+    return {"config_groups": {"group_0": {"algorithm": "skip_softmax",
+                                          "threshold_scale_factor": {"formula": formula, "prefill": coefs},
+                                          "target_sparsity": {"prefill": 0.5}}}}
+
+
+LOG_FORMULA = "exp(log_a + b * target_sparsity)"
+HARMFUL_CURVES = [
+    # id, coefficients, formula, blamed key
+    ("b_2000", {"a": 7.9, "b": 2000}, None, "b"),
+    ("b_minus_2000", {"a": 7.9, "b": -2000}, None, "b"),
+    ("b_huge_integer", {"a": 7.9, "b": 10 ** 400}, None, "b"),
+    ("a_huge_integer", {"a": 10 ** 400, "b": 1.0}, None, "a"),
+    ("a_1e300_times_exp_b", {"a": 1e300, "b": 20.0}, None, "a"),
+    ("a_subnormal", {"a": 1e-310, "b": 1.0}, None, "a"),
+    ("log_a_710", {"log_a": 710.0, "b": 1.0}, LOG_FORMULA, "log_a"),
+    ("log_a_minus_710", {"log_a": -710.0, "b": 1.0}, LOG_FORMULA, "log_a"),
+    ("log_a_huge_integer", {"log_a": 10 ** 400, "b": 1.0}, LOG_FORMULA, "log_a"),
+]
+
+
+@pytest.mark.parametrize("coefs,formula,key", [c[1:] for c in HARMFUL_CURVES], ids=[c[0] for c in HARMFUL_CURVES])
+def test_curves_without_a_finite_scale_at_every_target_fail_at_parse_with_key_path(coefs, formula, key):
+    with pytest.raises(SparseAttentionConfigError) as info:  # never OverflowError / a raw traceback
+        parse_sparse_attention_config(_curve(coefs, formula or "a * exp(b * target_sparsity)"), source="ckpt/config.json")
+    assert info.value.path == f"sparse_attention_config.config_groups.group_0.threshold_scale_factor.prefill.{key}"
+    assert "Fix:" in str(info.value) and "ckpt/config.json" in str(info.value)
+
+
+@pytest.mark.parametrize("coefs,formula", [
+    ({"a": 1.0, "b": 699.0}, None),
+    ({"a": 1.0, "b": -699.0}, None),
+    ({"log_a": 690.0, "b": 9.0}, LOG_FORMULA),
+    ({"a": 1e-300, "b": 5.0}, None),
+], ids=["b_699", "b_minus_699", "log_a_690_plus_b_9", "a_1e-300"])
+def test_curves_at_the_edge_of_the_bound_give_a_finite_positive_scale_at_every_target(coefs, formula):
+    cfg = parse_sparse_attention_config(_curve(coefs, formula or "a * exp(b * target_sparsity)"))
+    ln_a = coefs.get("log_a", None)
+    ln_a = math.log(coefs["a"]) if ln_a is None else ln_a
+    for target in (0.0, 0.5, 0.999999):
+        scale = cfg.scale_factor("prefill", target)
+        assert math.isfinite(scale) and scale > 0
+        # independent reference: evaluated in log space
+        assert math.log(scale) == pytest.approx(ln_a + coefs["b"] * target, rel=1e-9, abs=1e-9)
+        assert abs(math.log(scale)) <= LN_SCALE_BOUND
+
+
+# --------------------------------------------------------------------------- #
+# re: patterns must match in bounded time (item 5)
+# --------------------------------------------------------------------------- #
+REGEX_HAZARDS = [
+    ("issue_pattern", "re:([a-z._0-9]+)*X", "nested quantifiers"),
+    ("plus_plus", "re:(a+)+b", "nested quantifiers"),
+    ("star_in_counted", "re:(?:model\\.[0-9]*){2,}", "nested quantifiers"),
+    ("alternation_in_star", "re:(?:self_attn|attn)*x", "alternation"),
+    ("backreference", "re:(model)\\.\\1", "back-references"),
+    ("four_unbounded", "re:.*a.*b.*c.*d", "at most 3 unbounded repeats"),
+    ("too_long", "re:" + "a" * 300, "at most 256 characters"),
+]
+
+
+@pytest.mark.parametrize("where", ["targets", "ignore"])
+@pytest.mark.parametrize("pattern,why", [c[1:] for c in REGEX_HAZARDS], ids=[c[0] for c in REGEX_HAZARDS])
+def test_backtracking_regexes_are_rejected_at_parse_time(where, pattern, why):
+    t0 = time.perf_counter()
+    with pytest.raises(SparseAttentionConfigError) as info:
+        _cfg(**{where: [pattern]})
+    assert time.perf_counter() - t0 < 0.5
+    assert info.value.path == f"sparse_attention_config.config_groups.group_0.{where}"
+    assert why in str(info.value) and repr(pattern)[:40] in str(info.value)
+
+
+def test_issue_pattern_is_rejected_before_any_layer_is_matched():
+    # re:([a-z._0-9]+)*X took 18 s per 29-character layer name; now it never reaches a match.
+    with pytest.raises(SparseAttentionConfigError, match="nested quantifiers"):
+        _cfg(targets=["re:([a-z._0-9]+)*X"])
+
+
+SAFE_REGEXES = [
+    ("layer_range", "re:model\\.layers\\.[0-9]+\\.self_attn", "model.layers.3.self_attn.attn", True),
+    ("alternation_outside_repeat", "re:.*layers\\.(1|2)\\..*", "model.layers.2.self_attn.attn", True),
+    ("optional_group", "re:(model\\.)?layers\\.0\\.", "layers.0.self_attn", True),
+    ("three_unbounded", "re:.*\\.[0-9]+\\..*attn", "model.layers.7.self_attn.attn", True),
+    ("rewritten_issue_pattern", "re:[a-z._0-9]*X", "model.layers.10.self_attn.att", False),
+]
+
+
+@pytest.mark.parametrize("pattern,layer,expected", [c[1:] for c in SAFE_REGEXES], ids=[c[0] for c in SAFE_REGEXES])
+def test_accepted_regexes_match_and_stay_fast_on_long_near_miss_names(pattern, layer, expected):
+    cfg = _cfg(targets=[pattern])
+    assert cfg.matches(layer, None) is expected
+    near_miss = "model.layers.1234567890." + "a" * 300 + ".self_att"
+    t0 = time.perf_counter()
+    for _ in range(10):
+        cfg.matches(near_miss, ["LlamaAttention", "Attention"])
+    assert time.perf_counter() - t0 < 1.0
+
+
+# --------------------------------------------------------------------------- #
+# configs that can never skip warn (item 5)
+# --------------------------------------------------------------------------- #
+NEVER_SKIP = [
+    # id, prefill (a, b), prefill target, max_kv_len, warns
+    ("a_1e6", (1e6, 4.0), 0.5, 2048, True),
+    ("target_0.99999", (7.93, 8.61), 0.99999, 2048, True),
+    ("calibrated_curve", (7.93, 8.61), 0.5, 2048, False),
+    ("long_context_makes_it_skip", (7.93, 8.61), 0.99999, 131072, False),
+    ("unknown_max_len", (1e6, 4.0), 0.5, None, False),
+]
+
+
+@pytest.mark.parametrize("ab,target,max_kv_len,warns", [c[1:] for c in NEVER_SKIP], ids=[c[0] for c in NEVER_SKIP])
+def test_never_skip_warning_when_lambda_stays_at_or_above_one(ab, target, max_kv_len, warns):
+    section = _curve({"a": ab[0], "b": ab[1]})
+    section["config_groups"]["group_0"]["target_sparsity"]["prefill"] = target
+    cfg = parse_sparse_attention_config(section)
+    notes = cfg.never_skip_warnings(max_kv_len)
+    # independent reference: lambda = a e^(b t) / kv_len >= 1 at the longest kv_len
+    expected = max_kv_len is not None and ab[0] * math.exp(ab[1] * target) / max_kv_len >= 1
+    assert expected is warns
+    assert bool(notes) is warns
+    if warns:
+        assert len(notes) == 1 and "prefill phase never skips a tile" in notes[0]
+        assert f"up to {max_kv_len} tokens" in notes[0] and "threshold_scale_factor.prefill" in notes[0]
+
+
+@pytest.mark.parametrize("b", [-3.0, 0.0], ids=["negative_b", "zero_b"])
+def test_curve_that_does_not_grow_with_the_target_warns(b):
+    cfg = parse_sparse_attention_config(_curve({"a": 20.0, "b": b}))
+    notes = [w for w in cfg.warnings if ".b is" in w]
+    assert len(notes) == 1
+    assert notes[0].startswith(f"sparse_attention_config.config_groups.group_0.threshold_scale_factor.prefill.b is {b!r}")
+
+
+# --------------------------------------------------------------------------- #
+# Qwen dual-chunk's sparse_attention_config.json is never read or written
+# --------------------------------------------------------------------------- #
+def test_checkpoint_loading_never_touches_qwen_dual_chunk_file(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "sparse_attention_config": CANONICAL}))
+    qwen = tmp_path / "sparse_attention_config.json"
+    qwen.write_text("{not json: Qwen dual-chunk's own file")
+    before = qwen.stat()
+    assert load_from_checkpoint(tmp_path) == parse_sparse_attention_config(CANONICAL)
+    after = qwen.stat()
+    assert qwen.read_text() == "{not json: Qwen dual-chunk's own file"
+    assert (after.st_mtime_ns, after.st_size) == (before.st_mtime_ns, before.st_size)

@@ -14,6 +14,7 @@ from sparse_attn.calibration.export import (
     PRODUCER_NAME,
     ExportError,
     build_sparse_attention_config,
+    check_checkpoint_update,
     update_checkpoint_config,
     write_json_atomic,
 )
@@ -95,7 +96,21 @@ def test_write_into_missing_directory(tmp_path):
         write_json_atomic(tmp_path / "nope" / "x.json", {})
 
 
-ORIGINAL = {"architectures": ["LlamaForCausalLM"], "sparse_attention_config": {"old": True}, "model_type": "llama", "vocab_size": 32000}
+# An earlier sparse-attn calibration of the same layers (the ordinary re-calibration case):
+# same targets/ignore as the `section` fixture, older curve and producer.
+ORIGINAL = {
+    "architectures": ["LlamaForCausalLM"],
+    "sparse_attention_config": {
+        "config_groups": {"group_0": {
+            "algorithm": "skip_softmax", "targets": ["LlamaAttention"], "ignore": ["model.layers.0.self_attn"],
+            "threshold_scale_factor": {"formula": "a * exp(b * target_sparsity)", "prefill": {"a": 1.5, "b": 2.5}},
+            "target_sparsity": {"prefill": 0.4},
+        }},
+        "producer": {"name": "sparse-attn", "version": "0.0.1"},
+    },
+    "model_type": "llama",
+    "vocab_size": 32000,
+}
 
 
 @pytest.fixture
@@ -239,3 +254,223 @@ def test_unwritable_directory_real_chmod(ckpt, section):
         assert json.loads((ckpt / "config.json").read_text()) == ORIGINAL
     finally:
         os.chmod(ckpt, 0o755)
+
+
+KILLED_WRITER = """
+import os, sys, time
+from sparse_attn.calibration import export
+export.os.fsync = lambda fd: time.sleep(120)  # hold the temp file open until SIGKILL
+export.write_json_atomic(sys.argv[1], {"x": 1})
+"""
+
+
+def test_sigkill_mid_write_leaves_a_temp_file_the_next_write_removes(ckpt, section):
+    """A real kill -9 (no finally runs): the litter is attributable to the dead pid
+    and the next write into the directory removes it; the original is intact."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    before = (ckpt / "config.json").read_bytes()
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(ckpt / "config.json")], cwd=repo,
+                            env={**os.environ, "PYTHONPATH": str(repo)})
+    try:
+        deadline = time.monotonic() + 60
+        while not _tmp_leftovers(ckpt) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        left = _tmp_leftovers(ckpt)
+        assert len(left) == 1 and left[0].startswith(f".config.json.{export.TEMP_TAG}-{proc.pid}."), left
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert _tmp_leftovers(ckpt) == left  # SIGKILL: nothing cleaned up
+    assert (ckpt / "config.json").read_bytes() == before
+    update_checkpoint_config(ckpt, section)
+    assert _tmp_leftovers(ckpt) == []
+    assert json.loads((ckpt / "config.json").read_text())["sparse_attention_config"] == section
+
+
+def test_stale_cleanup_keeps_live_and_foreign_files(tmp_path):
+    mine = tmp_path / f".out.json.{export.TEMP_TAG}-{os.getpid()}.x1.tmp"
+    foreign = tmp_path / ".out.json.x2.tmp"
+    other_tool = tmp_path / f".out.json.other-{os.getpid()}.x3.tmp"
+    for p in (mine, foreign, other_tool):
+        p.write_text("")
+    assert export.remove_stale_temp_files(tmp_path) == []
+    assert all(p.exists() for p in (mine, foreign, other_tool))
+
+
+# --------------------------------------------------------------------------- #
+# issue 9.4: the section is shared; merge into it, never destroy what is not ours
+# --------------------------------------------------------------------------- #
+# config.json texts written by hand, as the models / ModelOpt ship them.
+MINIMAX_CONFIG = """{
+  "architectures": ["MiniMaxM3ForCausalLM"],
+  "model_type": "minimax_m3",
+  "sparse_attention_config": {
+    "use_sparse_attention": true,
+    "sparse_topk_blocks": 16,
+    "sparse_block_size": 64,
+    "sparse_attention_layers": [1, 3, 5]
+  },
+  "vocab_size": 200064
+}
+"""
+
+
+@pytest.mark.parametrize("text", [
+    MINIMAX_CONFIG,
+    '{"model_type": "x", "sparse_attention_config": "dense"}\n',
+    '{"model_type": "x", "sparse_attention_config": {"config_groups": {"g": {"sparse_topk_blocks": 16}}}}\n',
+], ids=["minimax-m3-section", "string-section", "groups-without-algorithm"])
+def test_update_refuses_a_section_that_is_not_modelopt_metadata_and_leaves_the_file_byte_identical(tmp_path, section, text):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(text)
+    before = (ckpt / "config.json").read_bytes()
+    for attempt in (check_checkpoint_update, lambda d: update_checkpoint_config(d, section)):
+        with pytest.raises(ExportError) as info:
+            attempt(ckpt)
+        message = str(info.value)
+        assert "not ModelOpt metadata" in message  # what was seen
+        assert "expected absent, or ModelOpt / TensorRT-LLM metadata" in message  # what was expected
+        assert "drop --update_checkpoint_config" in message and "--output" in message and "by hand" in message  # the fix
+        assert (ckpt / "config.json").read_bytes() == before
+        assert sorted(p.name for p in ckpt.iterdir()) == ["config.json"]
+    if text is MINIMAX_CONFIG:
+        assert "sparse_topk_blocks" in message and "use_sparse_attention" in message
+
+
+# The section the merge cases calibrate into, spelled out (it is what
+# build_sparse_attention_config writes for these inputs; test_section_layout checks that writer).
+NEW_CURVES = {"formula": "a * exp(b * target_sparsity)", "prefill": {"a": 2.0, "b": 3.0}, "decode": {"a": 0.5, "b": 4.0}}
+NEW_TARGETS = {"prefill": 0.5, "decode": 0.5}
+NEW_PRODUCER = {"name": "sparse-attn", "version": "9.9.9"}
+NM_GROUP = {"algorithm": "sparse_softmax", "sparsity_n": 2, "sparsity_m": 4, "dense_sink_tokens": 0,
+            "dense_recent_tokens": 64}
+
+MERGE_CASES = {
+    # ModelOpt's two-group export: skip-softmax group_0 (with a key we do not interpret) and N:M group_1,
+    # plus an unknown section key. group_0's targets/ignore are ModelOpt's and are kept.
+    "modelopt-two-groups": ("""{
+  "model_type": "llama",
+  "sparse_attention_config": {
+    "config_groups": {
+      "group_0": {
+        "algorithm": "skip_softmax",
+        "targets": ["LlamaAttention"],
+        "ignore": ["model.layers.0.self_attn", "model.layers.31.*"],
+        "threshold_scale_factor": {"formula": "a * exp(b * target_sparsity)", "prefill": {"a": 7.9, "b": 8.6}},
+        "target_sparsity": {"prefill": 0.3},
+        "initial_disabled_steps": 2
+      },
+      "group_1": {"algorithm": "sparse_softmax", "sparsity_n": 2, "sparsity_m": 4, "dense_sink_tokens": 0, "dense_recent_tokens": 64}
+    },
+    "producer": {"name": "modelopt", "version": "0.37.0"},
+    "export_note": {"calibration_dataset": "ruler", "samples": 64}
+  },
+  "vocab_size": 32000
+}
+""", {
+        "config_groups": {
+            "group_0": {"algorithm": "skip_softmax", "targets": ["LlamaAttention"],
+                        "ignore": ["model.layers.0.self_attn", "model.layers.31.*"],
+                        "threshold_scale_factor": NEW_CURVES, "target_sparsity": NEW_TARGETS, "initial_disabled_steps": 2},
+            "group_1": NM_GROUP,
+        },
+        "producer": NEW_PRODUCER,
+        "export_note": {"calibration_dataset": "ruler", "samples": 64},
+    }),
+    # The N:M group first: the skip-softmax group keeps its name and its place after it.
+    # Its targets were empty (every layer): calibration's classes fill in.
+    "nm-group-first": ("""{
+  "model_type": "llama",
+  "sparse_attention_config": {
+    "config_groups": {
+      "nm": {"algorithm": "sparse_softmax", "sparsity_n": 2, "sparsity_m": 4, "dense_sink_tokens": 0, "dense_recent_tokens": 64},
+      "blasst": {"algorithm": "skip_softmax", "threshold_scale_factor": {"formula": "a * exp(b * target_sparsity)", "decode": {"a": 1.0, "b": 1.0}}}
+    }
+  }
+}
+""", {
+        "config_groups": {
+            "nm": NM_GROUP,
+            "blasst": {"algorithm": "skip_softmax", "targets": ["LlamaAttention"], "threshold_scale_factor": NEW_CURVES,
+                       "target_sparsity": NEW_TARGETS},
+        },
+        "producer": NEW_PRODUCER,
+    }),
+    # Only an N:M group, named group_0: ours is added under the next free name, the rest untouched.
+    "nm-group-only": ("""{
+  "model_type": "llama",
+  "sparse_attention_config": {
+    "config_groups": {
+      "group_0": {"algorithm": "sparse_softmax", "sparsity_n": 2, "sparsity_m": 4, "dense_sink_tokens": 0, "dense_recent_tokens": 64}
+    },
+    "initial_disabled_steps": 5,
+    "producer": {"name": "modelopt", "version": "0.37.0"}
+  }
+}
+""", {
+        "config_groups": {
+            "group_0": NM_GROUP,
+            "group_1": {"algorithm": "skip_softmax", "targets": ["LlamaAttention"], "threshold_scale_factor": NEW_CURVES,
+                        "target_sparsity": NEW_TARGETS},
+        },
+        "initial_disabled_steps": 5,
+        "producer": NEW_PRODUCER,
+    }),
+    # Legacy ModelOpt layout: the old curve/target at the section top belonged to the old
+    # skip-softmax calibration and are replaced by the group's new ones.
+    "legacy-softmax-skip": ("""{
+  "model_type": "llama",
+  "sparse_attention_config": {
+    "config_groups": {"group_0": {"sparse_algo": "softmax_skip", "targets": ["LlamaAttention"]}},
+    "threshold_scale_factor": {"formula": "a * exp(b * target_sparsity)", "prefill": {"a": 3.0, "b": 1.0}},
+    "target_sparse_ratio": 0.25,
+    "producer": {"name": "modelopt", "version": "0.29.0"}
+  }
+}
+""", {
+        "config_groups": {
+            "group_0": {"algorithm": "skip_softmax", "targets": ["LlamaAttention"], "threshold_scale_factor": NEW_CURVES,
+                        "target_sparsity": NEW_TARGETS},
+        },
+        "producer": NEW_PRODUCER,
+    }),
+}
+
+
+@pytest.mark.parametrize("case", list(MERGE_CASES), ids=list(MERGE_CASES))
+def test_update_replaces_only_the_skip_softmax_calibration(tmp_path, case):
+    text, expected_section = MERGE_CASES[case]
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(text)
+    original = json.loads(text)
+    new = build_sparse_attention_config({"prefill": (2.0, 3.0), "decode": (0.5, 4.0)}, {"prefill": 0.5, "decode": 0.5},
+                                        target_classes=["LlamaAttention"], producer_version="9.9.9")
+    check_checkpoint_update(ckpt)  # the pre-flight accepts what the update accepts
+    update_checkpoint_config(ckpt, new)
+    data = json.loads((ckpt / "config.json").read_text())
+    assert list(data) == list(original)
+    assert {k: v for k, v in data.items() if k != "sparse_attention_config"} == {
+        k: v for k, v in original.items() if k != "sparse_attention_config"}
+    assert data["sparse_attention_config"] == expected_section
+    assert list(data["sparse_attention_config"]["config_groups"]) == list(expected_section["config_groups"])  # group order
+    assert _tmp_leftovers(ckpt) == []
+
+
+def test_update_refuses_a_malformed_skip_softmax_group_before_and_after(tmp_path, section):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    text = ('{"sparse_attention_config": {"config_groups": {"g": {"algorithm": "skip_softmax", '
+            '"threshold_scale_factor": {"formula": "a * exp(b * target_sparsity)", "prefill": {"a": -1, "b": 1}}}}}}\n')
+    (ckpt / "config.json").write_text(text)
+    for attempt in (check_checkpoint_update, lambda d: update_checkpoint_config(d, section)):
+        with pytest.raises(ExportError, match=r"malformed skip-softmax group .*prefill\.a.* Fix: drop --update_checkpoint_config"):
+            attempt(ckpt)
+        assert (ckpt / "config.json").read_text() == text

@@ -7,126 +7,12 @@ float64 softmax on K/V gathered token by token; the sparse reference walks every
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
-from sparse_attn.kernels import TILE_K, TILE_Q, paged_attention, paged_attention_counts
+from sparse_attn.kernels import SPLIT_K, TILE_K, TILE_Q, paged_attention, paged_attention_counts
 
-
-# --------------------------------------------------------------------------- helpers
-
-def _cache_pair(n_blocks, page, hkv, d, layout, dtype, gen):
-    """Logical [n_blocks, page, Hkv, D] K and V views in a given physical layout, NaN-filled."""
-    if layout == "contiguous":
-        k = torch.empty(n_blocks, page, hkv, d, dtype=dtype)
-        v = torch.empty(n_blocks, page, hkv, d, dtype=dtype)
-    elif layout == "dim_major_k":
-        # K stored [blocks, Hkv, D, page] (x-major style), V head-major.
-        k = torch.empty(n_blocks, hkv, d, page, dtype=dtype).permute(0, 3, 1, 2)
-        v = torch.empty(n_blocks, hkv, page, d, dtype=dtype).permute(0, 2, 1, 3)
-    elif layout == "packed_kv":
-        # One [B, H, N, 2D] buffer, transposed to [B, N, H, 2D] and split into K | V.
-        buf = torch.empty(n_blocks, hkv, page, 2 * d, dtype=dtype).transpose(1, 2)
-        k, v = buf[..., :d], buf[..., d:]
-    elif layout == "kv_interleaved_blocks":
-        # [blocks, 2, page, Hkv, D]: block stride is not page * token stride.
-        buf = torch.empty(n_blocks, 2, page, hkv, d, dtype=dtype)
-        k, v = buf[:, 0], buf[:, 1]
-    else:
-        raise AssertionError(layout)
-    k.fill_(float("nan"))
-    v.fill_(float("nan"))
-    return k, v
-
-
-def make_batch(kv_lens, q_lens, hq, hkv, d, page, *, layout="contiguous", dtype=torch.float32, seed=0):
-    """Random paged batch; every cache slot no sequence owns holds NaN, unused table entries -1."""
-    gen = torch.Generator().manual_seed(seed)
-    need = [-(-n // page) for n in kv_lens]
-    n_blocks = sum(need) + 2
-    k, v = _cache_pair(n_blocks, page, hkv, d, layout, dtype, gen)
-    perm = torch.randperm(n_blocks, generator=gen)
-    bt = torch.full((len(kv_lens), max(need + [1]) + 1), -1, dtype=torch.int32)
-    used = 0
-    for s, n in enumerate(kv_lens):
-        bt[s, :need[s]] = perm[used:used + need[s]]
-        used += need[s]
-        pos = torch.arange(n)
-        blk = bt[s].long()[pos // page]
-        k[blk, pos % page] = torch.randn(n, hkv, d, generator=gen).to(dtype)
-        v[blk, pos % page] = torch.randn(n, hkv, d, generator=gen).to(dtype)
-    q = torch.randn(sum(q_lens), hq, d, generator=gen).to(dtype)
-    qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
-    return q, k, v, bt, torch.tensor(kv_lens, dtype=torch.int32), qsl
-
-
-def add_sink(batch, strength=3.0):
-    """Give every query a large score on each sequence's first key (an attention sink),
-    so that whole 64-row query tiles agree on skipping the unremarkable KV tiles."""
-    q, k, v, bt, seq_lens, qsl = batch
-    u = torch.zeros(q.shape[-1], dtype=q.dtype)
-    u[0] = strength
-    q = q + u
-    for s in range(len(seq_lens)):
-        if int(seq_lens[s]) > 0:
-            k[int(bt[s, 0]), 0, :, 0] = strength * 2
-    return q, k, v, bt, seq_lens, qsl
-
-
-def gather_seq(cache, bt, s, n):
-    page = cache.shape[1]
-    pos = torch.arange(n)
-    return cache[bt[s].long()[pos // page], pos % page].double()       # [n, Hkv, D]
-
-
-def reference(q, k, v, bt, seq_lens, qsl, scale, lam=0.0, causal=True, thresholds=()):
-    """Brute-force float64 attention with the documented tile skip rule.
-
-    Returns ``(out [T, Hq, D] float64, skipped [Hq] under lam, visited [Hq],
-    skipped_per_threshold [len(thresholds), Hq])``.
-    """
-    t_tokens, hq, d = q.shape
-    g = hq // k.shape[2]
-    out = torch.zeros(t_tokens, hq, d, dtype=torch.float64)
-    skipped = torch.zeros(hq, dtype=torch.int64)
-    visited = torch.zeros(hq, dtype=torch.int64)
-    per_thr = torch.zeros(len(thresholds), hq, dtype=torch.int64)
-    for s in range(len(seq_lens)):
-        n, a, b = int(seq_lens[s]), int(qsl[s]), int(qsl[s + 1])
-        q_len = b - a
-        if q_len == 0:
-            continue
-        keys, vals = gather_seq(k, bt, s, n), gather_seq(v, bt, s, n)
-        qpos = torch.arange(n - q_len, n)
-        if causal:
-            allowed = torch.arange(n)[None, :] <= qpos[:, None]
-        else:
-            allowed = torch.ones(q_len, n, dtype=torch.bool)
-        for h in range(hq):
-            scores = q[a:b, h].double() @ keys[:, h // g].T * scale
-            scores = scores.masked_fill(~allowed, float("-inf"))
-            keep = torch.zeros(q_len, n, dtype=torch.bool)
-            for qt in range(-(-q_len // TILE_Q)):
-                r0, r1 = qt * TILE_Q, min(q_len, (qt + 1) * TILE_Q)
-                last = (int(qpos[r1 - 1]) if causal else n - 1) // TILE_K
-                m = torch.full((r1 - r0,), float("-inf"), dtype=torch.float64)
-                for t in range(last + 1):
-                    c0, c1 = t * TILE_K, min(n, (t + 1) * TILE_K)
-                    tmax = scores[r0:r1, c0:c1].amax(1)
-                    visited[h] += 1
-                    ratio = torch.exp(tmax - m).max().item() if t > 0 else math.inf
-                    for j, thr in enumerate(thresholds):
-                        per_thr[j, h] += ratio < thr
-                    if ratio < lam:
-                        skipped[h] += 1
-                    else:
-                        keep[r0:r1, c0:c1] = True
-                    m = torch.maximum(m, tmax)
-            p = scores.masked_fill(~keep, float("-inf")).softmax(-1)
-            out[a:b, h] = p @ vals[:, h // g]
-    return out, skipped, visited, per_thr
+from .kernel_reference import add_sink, gather_seq, make_batch, reference  # noqa: F401  (re-exported)
 
 
 # --------------------------------------------------------------------------- cases
@@ -421,3 +307,68 @@ def test_bad_per_sequence_counting_thresholds_raise(thresholds):
     batch = make_batch([40, 20], [5, 1], 4, 2, 16, 16)
     with pytest.raises(ValueError, match="threshold"):
         paged_attention_counts(*batch, thresholds, scale=0.25, impl="torch")
+
+
+# --------------------------------------------------------------------------- KV splits of the rule
+
+SPLIT_CASES = {
+    # kv_lens, q_lens, Hq, Hkv, D, page, split_k: every case crosses several split boundaries
+    "decode-split128-gqa4": ([700, 65, 129, 1000], [1, 1, 1, 1], 8, 2, 16, 16, 128),
+    "mixed-split192-gqa2-page7": ([650, 300, 40], [1, 150, 40], 4, 2, 16, 7, 192),
+    "prefill-split64-every-tile": ([400], [200], 2, 1, 16, 32, 64),
+    "decode-default-split-mqa": ([SPLIT_K * 2 + 300, 900], [1, 1], 4, 1, 16, 16, None),
+}
+
+
+@pytest.mark.parametrize("case", list(SPLIT_CASES), ids=list(SPLIT_CASES))
+def test_split_rule_matches_bruteforce_and_counting(case):
+    kv_lens, q_lens, hq, hkv, d, page, split_k = SPLIT_CASES[case]
+    batch = add_sink(make_batch(kv_lens, q_lens, hq, hkv, d, page, layout="dim_major_k", seed=21))
+    scale = 2.0 * d ** -0.5
+    rule = {} if split_k is None else {"split_k": split_k}
+    lams = [0.0, 1e-3, 0.05, 0.3]
+    ref_out, _, ref_vis, per_thr = reference(*batch, scale, thresholds=lams, **rule)
+    out, skipped, vis = paged_attention_counts(*batch, lams, scale=scale, impl="torch", **rule)
+    assert skipped.tolist() == per_thr.tolist() and vis.tolist() == ref_vis.tolist()
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=1e-5)
+    for j, lam in enumerate(lams[1:], 1):
+        ref, ref_sk, _, _ = reference(*batch, scale, lam=lam, **rule)
+        o, sk, _ = _run(batch, scale=scale, threshold=lam, return_counts=True, **rule)
+        assert sk.tolist() == ref_sk.tolist() == skipped[j].tolist()
+        torch.testing.assert_close(o.double(), ref, atol=2e-5, rtol=1e-5)
+    if split_k == TILE_K:  # every tile opens a split: nothing is skippable
+        assert int(skipped.sum()) == 0
+    else:
+        assert int(skipped[-1].sum()) > 0
+
+
+def test_split_boundaries_change_counts():
+    """The split is part of the rule: split openers are never skipped, so a long decode
+    skips fewer tiles with splits than with one split spanning the whole sequence."""
+    batch = add_sink(make_batch([SPLIT_K * 3], [1], 4, 1, 16, 16, seed=5))
+    _, sk_split, vis = _run(batch, scale=1.0, threshold=0.5, return_counts=True)
+    _, sk_one, vis_one = _run(batch, scale=1.0, threshold=0.5, return_counts=True, split_k=SPLIT_K * 4)
+    assert vis.tolist() == vis_one.tolist()
+    assert (sk_split < sk_one).all() and (sk_split > 0).all()
+    assert sk_one.tolist() == reference(*batch, 1.0, lam=0.5, split_k=SPLIT_K * 4)[1].tolist()
+
+
+@pytest.mark.parametrize("split_k", [0, 100, -64, 64.0, True], ids=["zero", "not-multiple", "negative", "float",
+                                                                   "bool"])
+def test_bad_split_raises(split_k):
+    batch = make_batch([40], [5], 2, 1, 16, 16)
+    with pytest.raises(ValueError, match="split_k"):
+        _run(batch, scale=0.25, split_k=split_k)
+
+
+def test_unchecked_call_on_cpu_equals_checked():
+    """check=False on CPU (the torch implementation reads host tensors: no sync) gives the
+    checked call's output and counts, for a float and a per-sequence tensor lambda."""
+    batch = add_sink(make_batch([300, 5, 700], [1, 5, 1], 4, 2, 16, 16, seed=17))
+    for thr in (0.3, torch.tensor([0.3, 0.0, 0.5])):
+        a = _run(batch, scale=1.0, threshold=thr, return_counts=True)
+        b = _run(batch, scale=1.0, threshold=thr, return_counts=True, check=False, max_query_len=5)
+        torch.testing.assert_close(b[0], a[0], atol=0, rtol=0)
+        assert b[1].tolist() == a[1].tolist() and b[2].tolist() == a[2].tolist() and int(a[1].sum()) > 0
+    with pytest.raises(ValueError, match="threshold shape"):
+        _run(batch, scale=1.0, threshold=torch.zeros(2), check=False)

@@ -97,7 +97,9 @@ def test_triton_per_sequence_lambda_equals_each_sequence_alone():
         o_s, sk_s, vis_s = paged_attention(*_seq_alone(batch, s), scale=scale, threshold=lam, impl="triton",
                                            return_counts=True)
         a, b = int(batch[5][s]), int(batch[5][s + 1])
-        torch.testing.assert_close(out[a:b], o_s, atol=0, rtol=0)
+        # A decode alone takes the split-KV decode launch (heads packed differently, a
+        # log-sum-exp merge), the batch the prefill launch: equal up to fp32 rounding.
+        torch.testing.assert_close(out[a:b], o_s, atol=1e-6, rtol=1e-6)
         sk_sum += sk_s
         vis_sum += vis_s
     assert sk.tolist() == sk_sum.tolist() and vis.tolist() == vis_sum.tolist()

@@ -18,6 +18,10 @@ installed with --no-deps next to torch+cpu): nothing is typed in from a table.
   recorder: shapes / strides / storage offsets of the K and V cache tensors vLLM passes;
 * the signatures of the impl's ``do_kv_cache_update`` / ``forward``, the metadata builder's ``build``
   and its ``get_cudagraph_support`` / ``_cudagraph_support`` (``contracts``);
+* where the backend writes the cache inside ``forward`` (``forward_includes_kv_cache_update``
+  True: FLASHINFER <= 0.16.0, CPU_ATTN <= 0.23): a real call of ``impl.forward`` with the
+  native cache op replaced by a recorder that raises before the attention kernel, so the
+  K/V cache tensors the release's own writer is given are recorded the same way;
 * on >= 0.29: the per-layer views that vLLM's planner (``get_kv_cache_config_from_groups``) and
   worker (``allocate_kv_cache`` -> ``create_kv_cache_views``) build for every ``KVCacheLayout``.
 
@@ -296,6 +300,24 @@ def forward_cache_ops(impl_cls) -> list[str]:
             if isinstance(base, ast.Name) and base.id == "kv_cache":
                 out.append(ast.unparse(node)[:120])
     return out
+def analyse_forward_write(impl_cls) -> dict:
+    """AST of the real ``forward``: the native cache op it calls and the ``attn_metadata.*`` it reads.
+
+    Only meaningful where the backend stores the cache inside ``forward``
+    (``forward_includes_kv_cache_update`` True)."""
+    fn = getattr(impl_cls, "forward", None)
+    src = _source_of(fn) if fn is not None else None
+    if src is None:
+        return {"present": False}
+    ops, meta_attrs = [], set()
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "attn_metadata":
+            meta_attrs.add(node.attr)
+        if isinstance(node, ast.Call):
+            name = _dotted(node.func)
+            if name and "reshape_and_cache" in name:
+                ops.append(name)
+    return {"present": bool(ops), "native_ops": ops, "metadata_attrs": sorted(meta_attrs)}
 
 
 def resolve_patch_target(module, dotted: str):
@@ -315,6 +337,17 @@ class Recorder:
 
     def __call__(self, *args, **kwargs):
         self.calls.append((args, kwargs))
+
+
+class StopBeforeKernel(Exception):
+    """Raised by ``StoppingRecorder`` once the native cache op was called: ``forward``
+    must not go on to the attention kernel (not present in a CUDA wheel on CPU)."""
+
+
+class StoppingRecorder(Recorder):
+    def __call__(self, *args, **kwargs):
+        super().__call__(*args, **kwargs)
+        raise StopBeforeKernel
 
 
 @contextlib.contextmanager
@@ -364,6 +397,22 @@ def fake_layer():
         _q_scale_float=1.0,
         isa="vec",
         kv_cache_dtype="auto",
+    )
+
+
+def fake_metadata(query, slot_mapping) -> FakeLayer:
+    """Stand-in for the backend's attention metadata; logs reads like ``FakeLayer``.
+
+    Holds what the forward paths read before their cache write (FI 0.15/0.16:
+    q_data_type, num_actual_tokens, prefill/decode (None = not TRT-LLM), slot_mapping;
+    CPU <= 0.23: num_actual_tokens, slot_mapping, isa). Anything else raises AttributeError."""
+    return FakeLayer(
+        q_data_type=query.dtype,
+        num_actual_tokens=query.shape[0],
+        slot_mapping=slot_mapping,
+        prefill=None,
+        decode=None,
+        isa="vec",
     )
 
 
@@ -681,6 +730,87 @@ def contract_facts(cls) -> dict:
     return out
 
 
+def _forward_inputs(num_kv_heads: int, head_size: int, dtype):
+    import torch
+
+    n_tok = len(SLOTS)
+    query = torch.randn(n_tok, NUM_HEADS, head_size, dtype=dtype)
+    key = torch.randn(n_tok, num_kv_heads, head_size, dtype=dtype)
+    value = torch.randn(n_tok, num_kv_heads, head_size, dtype=dtype)
+    output = torch.zeros(n_tok, NUM_HEADS * head_size, dtype=dtype)
+    return query, key, value, output, torch.tensor(SLOTS, dtype=torch.long)
+
+
+def _run_forward_write(impl, kv_cache, analysis, head_size, num_kv_heads, dtype):
+    """Call the real ``impl.forward`` with its native cache op replaced by a stopping recorder.
+
+    Returns (recorder, layer, metadata, (key, value, slot_mapping)); raises what vLLM raises
+    before the write (anything but StopBeforeKernel)."""
+    module = sys.modules[type(impl).forward.__module__]
+    owner, attr = resolve_patch_target(module, analysis["native_ops"][-1])
+    query, key, value, output, slot_mapping = _forward_inputs(num_kv_heads, head_size, dtype)
+    layer, meta = fake_layer(), fake_metadata(query, slot_mapping)
+    rec = StoppingRecorder()
+    with patched(owner, attr, rec):
+        try:
+            impl.forward(layer, query, key, value, kv_cache, meta, output=output)
+        except StopBeforeKernel:
+            pass
+    return rec, layer, meta, (key, value, slot_mapping), f"{getattr(owner, '__name__', type(owner).__name__)}.{attr}"
+
+
+def record_forward_write(kv_cache, impl, analysis, head_size, num_kv_heads, dtype) -> dict:
+    """The forward-writes counterpart of ``record_update``."""
+    out: dict[str, Any] = {"kv_cache": tensor_info(kv_cache)}
+    try:
+        rec, layer, meta, (key, value, slots), target = _run_forward_write(
+            impl, kv_cache, analysis, head_size, num_kv_heads, dtype)
+    except Exception as e:  # noqa: BLE001
+        out["error"] = _err(e) + " @ " + _where(e)
+        return out
+    out["patched"] = target
+    out["layer_reads"] = sorted(set(layer.reads))
+    out["metadata_reads"] = sorted(set(meta.reads))
+    out["calls"] = len(rec.calls)
+    if rec.calls:
+        args, kwargs = rec.calls[0]
+        out["args"] = [_describe_arg(a, kv_cache) for a in args]
+        out["kwargs"] = {k: _describe_arg(v, kv_cache) for k, v in kwargs.items()}
+        out["args_are_inputs"] = [args[0] is key, args[1] is value, args[4] is slots]
+    return out
+
+
+def fresh_cache(name: str, alloc_key: str):
+    """A new zeroed fp16 cache for the sentinel sizes, allocated as ``alloc_key`` says."""
+    from vllm.v1 import kv_cache_interface as kci
+
+    _, cls = backend_class(name)
+    return allocations(cls, hasattr(kci, "create_kv_cache_views"))[alloc_key]()
+
+
+def capture_forward_write(name: str, alloc_key: str):
+    """Run the real ``forward`` up to its cache write once (the backends whose
+    ``forward_includes_kv_cache_update`` is True); return
+    (kv_cache, recorded args, kwargs, layer, (key, value, slot_mapping)).
+
+    Raises whatever vLLM raises before the write."""
+    import torch
+
+    _, cls = backend_class(name)
+    impl_cls = cls.get_impl_cls()
+    analysis = analyse_forward_write(impl_cls)
+    if not analysis.get("present"):
+        raise LookupError(f"{name}: forward calls no reshape_and_cache op in vLLM {versions()['vllm']}")
+    s = SENTINEL
+    impl, _ = build_impl(impl_cls, s["head_size"], s["num_kv_heads"])
+    kv_cache = fresh_cache(name, alloc_key)
+    rec, layer, _meta, inputs, _ = _run_forward_write(
+        impl, kv_cache, analysis, s["head_size"], s["num_kv_heads"], torch.float16)
+    assert len(rec.calls) == 1, rec.calls
+    args, kwargs = rec.calls[0]
+    return kv_cache, args, kwargs, layer, inputs
+
+
 def probe_backend(name: str, views_present: bool) -> dict:
     import torch
 
@@ -732,6 +862,16 @@ def probe_backend(name: str, views_present: bool) -> dict:
         out["impl"] = {"class": impl_cls.__qualname__, "error": _err(e)}
         return out
     out["impl"] = {"class": f"{impl_cls.__module__}.{impl_cls.__qualname__}", **info}
+    if getattr(cls, "forward_includes_kv_cache_update", True):
+        fwd = analyse_forward_write(impl_cls)
+        out["forward_write"] = fwd
+        if fwd.get("present"):
+            # A fresh impl per call: FI's forward caches layer scales on its first call
+            # (bmm1_scale), which would make the recorded layer reads depend on call order.
+            out["recorded_forward_write"] = {
+                key: record_forward_write(make(), build_impl(impl_cls, hs, nkv)[0], fwd, hs, nkv, torch.float16)
+                for key, make in allocations(cls, views_present).items()
+            }
     if not analysis.get("present"):
         return out
     dtype = torch.float16

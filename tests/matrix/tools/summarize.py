@@ -63,6 +63,23 @@ def main(paths):
                 extra = [str(e) for e in a[5:]] + [f"{k}={w}" for k, w in rec.get("kwargs", {}).items()]
                 print(f"| {v} | {b} | {lay} | {_t(rec['kv_cache'])} | {_t(a[2])} | {_t(a[3])} | {', '.join(extra)} |")
     print()
+    print("Recorded K / V cache args of the real forward's own cache write, where forward_includes_kv_cache_update is True "
+          "(fp16; native op replaced by a recorder that stops before the kernel; metadata.* = what forward read before it):")
+    print()
+    print("| vLLM | backend | cache alloc | kv_cache given | K cache arg | V cache arg | extra args | op patched | metadata.* read |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in reps:
+        v = r["versions"]["vllm"] if "versions" in r else r["vllm"]
+        for b, x in r["backends"].items():
+            for lay, rec in x.get("recorded_forward_write", {}).items():
+                if "error" in rec:
+                    print(f"| {v} | {b} | {lay} | {_t(rec.get('kv_cache'))} | ERR {rec['error'][:60]} | | | | |")
+                    continue
+                a = rec["args"]
+                extra = [str(e) for e in a[5:]] + [f"{k}={w}" for k, w in rec.get("kwargs", {}).items()]
+                print(f"| {v} | {b} | {lay} | {_t(rec['kv_cache'])} | {_t(a[2])} | {_t(a[3])} | {', '.join(extra)} "
+                      f"| {rec['patched']} | {','.join(rec.get('metadata_reads', []))} |")
+    print()
     print("Per-layer views from the planner + allocate_kv_cache (>= 0.29; fp16, 2 layers; layer 1 shown):")
     print()
     print("| vLLM | layout | KVCacheTensor layer_stride/block_stride/offset (bytes) | layer.0 view | layer.1 view |")

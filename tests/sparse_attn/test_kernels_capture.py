@@ -1,0 +1,121 @@
+"""Capture safety of ``paged_attention(..., check=False)`` (issue 12, kernel side).
+
+The whole public call runs on ``meta``-device tensors shaped like vLLM's FlashInfer
+metadata (one packed ``[num_blocks, Hkv, page, 2D]`` cache viewed as K / V, an int32 block
+table with more columns than needed, seq_lens, query_start_loc, per-sequence lambdas).
+Meta tensors have no data, so any host read of device data (``.item()``, ``.tolist()``,
+``.cpu()``, ``bool(tensor)``, ``nonzero``, boolean-mask indexing) raises, and a tensor made
+on the host and mixed in would show up with the wrong device.  (``FakeTensorMode`` catches
+the same reads, but its fake CUDA tensors cannot be sliced on a CPU-only torch build.)
+Only the final kernel launch is replaced, by a recorder that checks the prepared grid,
+shapes and dtypes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from sparse_attn.kernels import SPLIT_K, TILE_Q, paged_attention  # noqa: E402
+from sparse_attn.kernels import triton_impl  # noqa: E402
+
+HQ, HKV, D, PAGE, MAX_BLOCKS = 32, 8, 128, 16, 512       # KV upper bound 8192 tokens
+
+
+def _flashinfer_batch(num_seqs, q_len, dtype=torch.bfloat16):
+    """Meta tensors shaped as vLLM's FlashInfer backend hands them to the attention impl."""
+    kv = torch.empty(num_seqs * MAX_BLOCKS, HKV, PAGE, 2 * D, dtype=dtype, device="meta")
+    kv = kv.transpose(1, 2)                                       # logical [blocks, page, Hkv, 2D]
+    key_cache, value_cache = kv[..., :D], kv[..., D:]
+    query = torch.empty(num_seqs * q_len, HQ, D, dtype=dtype, device="meta")
+    block_table = torch.empty(num_seqs, MAX_BLOCKS, dtype=torch.int32, device="meta")
+    seq_lens = torch.empty(num_seqs, dtype=torch.int32, device="meta")
+    qsl = torch.arange(num_seqs + 1, dtype=torch.int32, device="meta") * q_len
+    lam = torch.empty(num_seqs, dtype=torch.float32, device="meta")
+    return query, key_cache, value_cache, block_table, seq_lens, qsl, lam
+
+
+class _Recorder:
+    def __init__(self):
+        self.plans = []
+
+    def __call__(self, plan):
+        for call in plan.calls:
+            names = list(inspect.signature(call.kernel.fn).parameters)
+            assert len(call.args) + len([n for n in call.constexprs if n in names]) == len(names), names
+            for name, arg in zip(names, call.args):
+                if isinstance(arg, torch.Tensor):
+                    assert arg.device.type == "meta", (name, arg.device)
+                else:  # scalars are host ints / floats derived from shapes and Python values
+                    assert isinstance(arg, (int, float)) and not isinstance(arg, bool), (name, type(arg))
+            assert all(isinstance(g, int) and g >= 1 for g in call.grid), call.grid
+        self.plans.append(plan)
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    rec = _Recorder()
+    monkeypatch.setattr(triton_impl, "launch", rec)
+    return rec
+
+
+def _args(call):
+    names = list(inspect.signature(call.kernel.fn).parameters)
+    return {**dict(zip(names, call.args)), **call.constexprs}
+
+
+@pytest.mark.parametrize("num_seqs", [1, 8, 64], ids=lambda n: f"batch{n}")
+def test_uniform_decode_prepares_without_host_reads(recorder, num_seqs):
+    q, k, v, bt, sl, qsl, lam = _flashinfer_batch(num_seqs, 1)
+    out, skipped, visited = paged_attention(q, k, v, bt, sl, qsl, scale=D ** -0.5, threshold=lam, impl="triton",
+                                            return_counts=True, max_query_len=1, check=False)
+    assert out.device.type == "meta" and out.shape == q.shape and out.dtype == q.dtype
+    for c in (skipped, visited):
+        assert c.device.type == "meta" and c.dtype == torch.int64 and c.shape == (HQ,)
+    (plan,) = recorder.plans
+    assert plan.phase == "decode" and len(plan.calls) == 2
+    attn, merge = (_args(c) for c in plan.calls)
+    n_splits = math.ceil(MAX_BLOCKS * PAGE / SPLIT_K)                  # KV upper bound from the table width
+    hpp = attn["HPP"]
+    assert hpp == HQ // HKV                                             # the whole GQA group in one program
+    assert plan.calls[0].grid == (num_seqs, HKV * (HQ // HKV) // hpp, n_splits)
+    assert attn["SPLIT"] and attn["COUNT"] and attn["BLOCK_N"] == 64 and attn["HPP"] * attn["BLOCK_M"] >= 16
+    assert attn["TILE_SEQ"].shape == (num_seqs,) and attn["TILE_SEQ"].dtype == torch.int32
+    assert attn["lam"].shape == (num_seqs,) and attn["lam"].dtype == torch.float32
+    assert attn["O_PART"].shape == (num_seqs, n_splits, HQ, 128) and attn["O_PART"].dtype == torch.float32
+    assert attn["SKIP_CNT"].shape[:3] == (num_seqs, n_splits, HQ) and attn["SKIP_CNT"].dtype == torch.int32
+    assert attn["K"].stride() == k.stride() and attn["BT"].dtype == torch.int32
+    assert plan.calls[1].grid == (num_seqs, HQ) and merge["BLOCK_S"] >= n_splits and merge["O"] is out
+    cfg = triton_impl.tile_config(D, torch.bfloat16, "decode")
+    assert (attn["num_warps"], attn["num_stages"]) == (cfg.num_warps, cfg.num_stages)
+
+
+def test_mixed_batch_prepares_without_host_reads(recorder):
+    """Prefill-phase launch (max_query_len > 1): query tiles mapped to sequences on the
+    device, the grid an upper bound (T / BLOCK_M + S programs)."""
+    num_seqs, q_len = 4, 100
+    q, k, v, bt, sl, qsl, lam = _flashinfer_batch(num_seqs, q_len)
+    out = paged_attention(q, k, v, bt, sl, qsl, scale=D ** -0.5, threshold=0.01, max_query_len=q_len,
+                          check=False, impl="triton")
+    assert out.device.type == "meta" and out.shape == q.shape
+    (plan,) = recorder.plans
+    assert plan.phase == "prefill" and len(plan.calls) == 1
+    attn = _args(plan.calls[0])
+    n_slots = math.ceil(num_seqs * q_len / TILE_Q) + num_seqs
+    assert plan.calls[0].grid[0] == n_slots and plan.calls[0].grid[2] == 1
+    assert attn["TILE_SEQ"].shape == (n_slots,) and attn["TILE_ROW0"].dtype == torch.int32
+    assert not attn["SPLIT"] and not attn["COUNT"] and attn["BLOCK_M"] == TILE_Q
+
+
+def test_checked_call_reads_the_host_and_meta_catches_it(recorder):
+    """Control: the default check=True validates on the host, which meta tensors refuse;
+    so the tests above would fail if the check=False path read device data."""
+    args = _flashinfer_batch(2, 1)
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        paged_attention(*args[:6], scale=D ** -0.5, threshold=args[6], return_counts=True, impl="triton")
+    assert recorder.plans == []
