@@ -98,6 +98,17 @@ def _describe_arg(v, cache):
     return _describe(v)
 
 
+def _record_first_call(out: dict, rec, kv_cache, key, value, slots) -> dict:
+    """Describe the first call ``rec`` recorded (the native cache op's arguments) into ``out``."""
+    out["calls"] = len(rec.calls)
+    if rec.calls:
+        args, kwargs = rec.calls[0]
+        out["args"] = [_describe_arg(a, kv_cache) for a in args]
+        out["kwargs"] = {k: _describe_arg(v, kv_cache) for k, v in kwargs.items()}
+        out["args_are_inputs"] = [args[0] is key, args[1] is value, args[4] is slots]
+    return out
+
+
 def versions() -> dict:
     out = {"python": sys.version.split()[0]}
     for dist in ("vllm", "torch", "flashinfer-python", "apache-tvm-ffi", "transformers"):
@@ -629,13 +640,7 @@ def record_update(name: str, kv_cache, impl, analysis, head_size, num_kv_heads, 
         out["layer_reads"] = sorted(set(layer.reads))
         return out
     out["layer_reads"] = sorted(set(layer.reads))
-    out["calls"] = len(rec.calls)
-    if rec.calls:
-        args, kwargs = rec.calls[0]
-        out["args"] = [_describe_arg(a, kv_cache) for a in args]
-        out["kwargs"] = {k: _describe_arg(v, kv_cache) for k, v in kwargs.items()}
-        out["args_are_inputs"] = [args[0] is key, args[1] is value, args[4] is slot_mapping]
-    return out
+    return _record_first_call(out, rec, kv_cache, key, value, slot_mapping)
 
 
 def allocations(cls, views_present: bool) -> dict:
@@ -771,13 +776,7 @@ def record_forward_write(kv_cache, impl, analysis, head_size, num_kv_heads, dtyp
     out["patched"] = target
     out["layer_reads"] = sorted(set(layer.reads))
     out["metadata_reads"] = sorted(set(meta.reads))
-    out["calls"] = len(rec.calls)
-    if rec.calls:
-        args, kwargs = rec.calls[0]
-        out["args"] = [_describe_arg(a, kv_cache) for a in args]
-        out["kwargs"] = {k: _describe_arg(v, kv_cache) for k, v in kwargs.items()}
-        out["args_are_inputs"] = [args[0] is key, args[1] is value, args[4] is slots]
-    return out
+    return _record_first_call(out, rec, kv_cache, key, value, slots)
 
 
 def fresh_cache(name: str, alloc_key: str):
