@@ -6,7 +6,6 @@ from __future__ import annotations
 import http.client
 import importlib.util
 import json
-import os
 import re
 import subprocess
 import sys

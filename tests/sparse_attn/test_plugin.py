@@ -14,7 +14,7 @@ import compat
 from compat import model as cmodel
 from sparse_attn import plugin
 from sparse_attn.adapter import Policy, SparseAttentionMixin
-from sparse_attn.stats import STATS, WorkerStats
+from sparse_attn.stats import WorkerStats
 
 
 class Attention(torch.nn.Module):
