@@ -80,9 +80,10 @@ TILE_K = 64
 #: first one extra K tile (tile 0) and its Q.K^T: 1/16 of the K reads at 1024, 1/8 at 512
 #: (which would only add programs beyond the ~2 per SM that already fill the GPU, and
 #: double the fp32 split partials [S, splits, Hq, D] a captured graph keeps).  With the
-#: seed the sparsity a lambda gives and the error at equal sparsity are within a few
-#: percent of the no-split rule (measured in benchmarks/RESULTS-kernels.md), so the split
-#: length no longer trades accuracy, only parallelism against the extra tile.
+#: seed, the split length barely trades accuracy any more (benchmarks/RESULTS-kernels.md,
+#: CPU): decodes need the no-split rule's lambdas and have its error at equal sparsity;
+#: a 16k-KV prefill chunk needs a 1.6x larger lambda for 75 % with 1.2x the mean error,
+#: and 512 is no better there.  So the choice is parallelism against the extra tile.
 SPLIT_K = 1024
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
