@@ -23,8 +23,8 @@ and a V tile is read when any head of the program keeps it (heads that skip it g
 
 Two running maxima per row: the dense one (updated on every visited tile, reset to tile
 0's maxima at split boundaries, drives the skip test) and the exp reference (updated on
-computed tiles only).  Lambdas are read from per-sequence fp32 arrays (``lam[seq]`` for serving,
-``THRESH[seq, :]`` for counting), so changing them never recompiles.
+computed tiles only).  Lambdas are read from per-sequence fp32 arrays (``lam[seq]`` for
+serving, ``THRESH[seq, :]`` for counting), so changing them never recompiles.
 
 Capture safety
 --------------
