@@ -58,3 +58,18 @@ def skip_softmax_section(prefill: tuple[float, float] | None, decode: tuple[floa
     fits = {phase: ab for phase, ab in (("prefill", prefill), ("decode", decode)) if ab is not None}
     return build_sparse_attention_config(fits, {phase: target for phase in fits}, target_classes=["LlamaAttention"],
                                          producer_name="sparse-attn-tests", producer_version="0")
+
+
+def handwritten_section(prefill: tuple[float, float], decode: tuple[float, float], target: float = 0.5) -> dict:
+    """The section ``skip_softmax_section`` writes, typed out by hand instead of through the
+    product's writer, which refuses harmful curves: for tests of what serving does with a
+    checkpoint some other tool wrote (e.g. b = 2000, whose scale factor overflows)."""
+    return {
+        "config_groups": {"group_0": {
+            "algorithm": "skip_softmax", "targets": ["LlamaAttention"],
+            "threshold_scale_factor": {"formula": "a * exp(b * target_sparsity)",
+                                       "prefill": {"a": prefill[0], "b": prefill[1]}, "decode": {"a": decode[0], "b": decode[1]}},
+            "target_sparsity": {"prefill": target, "decode": target},
+        }},
+        "producer": {"name": "sparse-attn-tests", "version": "0"},
+    }

@@ -20,7 +20,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from sparse_attn.demo.server import phase_totals  # noqa: E402
-from tests.engine.conftest import engine_env, run_driver, skip_softmax_section  # noqa: E402
+from tests.engine.conftest import engine_env, handwritten_section, run_driver, skip_softmax_section  # noqa: E402
 
 pytestmark = [
     pytest.mark.engine,
@@ -96,7 +96,8 @@ def hf_home(tiny_checkpoint, tmp_path):
         snap = repo / "snapshots" / rev
         shutil.copytree(tiny_checkpoint, snap)
         config = json.loads((snap / "config.json").read_text())
-        config["sparse_attention_config"] = skip_softmax_section((40.0, b), (20.0, 4.0), target=0.6)
+        write = skip_softmax_section if b < 100 else handwritten_section  # our writer refuses b = 2000 itself
+        config["sparse_attention_config"] = write((40.0, b), (20.0, 4.0), target=0.6)
         (snap / "config.json").write_text(json.dumps(config, indent=2))
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(REV_MAIN)
@@ -141,7 +142,7 @@ def test_serve_says_it_validates_nothing_for_an_uncached_hub_id(tmp_path):
 
 def test_overflowing_curve_fails_startup_with_key_path_not_in_the_forward(checkpoint_with, tmp_path):
     # b = 2000 used to pass parsing and raise OverflowError at the first prefill.
-    proc = run_driver(checkpoint_with(skip_softmax_section((40.0, 2000.0), (20.0, 4.0))), tmp_path / "b.json")
+    proc = run_driver(checkpoint_with(handwritten_section((40.0, 2000.0), (20.0, 4.0))), tmp_path / "b.json")
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "sparse_attention_config.config_groups.group_0.threshold_scale_factor.prefill.b" in log
