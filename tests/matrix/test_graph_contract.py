@@ -1,10 +1,11 @@
-"""The CUDA-graph contract against a real vLLM release (tox envs vllm0221 ... vllm0330).
+"""The CUDA-graph contract against a real vLLM release (tox envs vllm0151 ... vllm0330).
 
 ``compat.graphs.restrict_cudagraph_support`` is installed on the release's real FlashInfer and
 FlashAttention backend classes; their real ``get_cudagraph_support`` is called the way both model
 runners call it (v1: through the builder class; v2: through a builder instance), and the level it
 returns is handed to the release's own ``CompilationConfig.resolve_cudagraph_mode_and_sizes`` with
-vLLM's GPU default ``FULL_AND_PIECEWISE``.
+vLLM's GPU default ``FULL_AND_PIECEWISE`` (0.15.1 - 0.19.1, which lack it: the v1 runner's own
+``_check_and_update_cudagraph_mode``, see ``resolve_in_v1_runner``).
 
 The native answers on this CPU machine were read from each release's sources
 (tests/matrix/FINDINGS.md, "CUDA graphs"): FlashAttention's class attribute is UNIFORM_BATCH without
