@@ -1,13 +1,15 @@
 """The CUDA-graph contract: which graph level vLLM may capture for layers made sparse.
 
-How vLLM decides (read in the released sources 0.18.1 - 0.33.0; tests/matrix/FINDINGS.md, "CUDA graphs"):
+How vLLM decides (read in the released sources 0.15.1 - 0.33.0; tests/matrix/FINDINGS.md, "CUDA graphs"):
 every attention backend's metadata builder declares its support with the classmethod
 ``get_cudagraph_support(vllm_config, kv_cache_spec) -> AttentionCGSupport`` (``NEVER=0``,
 ``UNIFORM_SINGLE_TOKEN_DECODE=1``, ``UNIFORM_BATCH=2``, ``ALWAYS=3``). The base class returns the class
-attribute ``_cudagraph_support`` (FlashAttention sets it at import: ALWAYS with FA3/FA4, else UNIFORM_BATCH);
+attribute ``_cudagraph_support`` (FlashAttention sets it at import: ALWAYS with FA3/FA4, else UNIFORM_BATCH, and
+its builder re-defines the same one-line classmethod in every release);
 FlashInfer overrides the classmethod and answers per config (GPU arch, DCP, head counts, non-causal).
 Both model runners take the minimum over the backends of all KV-cache groups and hand it to
-``CompilationConfig.resolve_cudagraph_mode_and_sizes``: the v1 runner in
+``CompilationConfig.resolve_cudagraph_mode_and_sizes`` (from 0.20.2; 0.15.1 - 0.19.1 resolve the same way inline in
+the v1 runner's ``_check_and_update_cudagraph_mode``): the v1 runner in
 ``GPUModelRunner._check_and_update_cudagraph_mode`` (``initialize_attn_backend``), the v2 runner
 (``vllm/v1/worker/gpu/``; the default for dense models from 0.25, for all models from 0.29) in
 ``attn_utils.get_attn_cg_support`` (``init_attn_backend``). Both run inside the runner's
@@ -51,7 +53,7 @@ ATTRIBUTE = "_cudagraph_support"
 
 
 class GraphLevel(enum.IntEnum):
-    """vLLM's ``AttentionCGSupport``, by member name (same names and values in 0.18.1 - 0.33.0)."""
+    """vLLM's ``AttentionCGSupport``, by member name (same names and values in 0.15.1 - 0.33.0)."""
 
     NEVER = 0
     UNIFORM_SINGLE_TOKEN_DECODE = 1
@@ -214,7 +216,7 @@ def restrict_cudagraph_support(backend_cls: type) -> GraphDecision:
         return _INSTALLED[builder][0]
     decision = decide(backend_cls)
     if decision.declared_by == "absent":
-        # Nothing vLLM asks can be lowered (every release 0.18-0.33 has the base
+        # Nothing vLLM asks can be lowered (every release 0.15-0.33 has the base
         # classmethod, so this is a backend outside them): say so once, not per layer.
         if decision.backend not in _ABSENT_WARNED:
             _ABSENT_WARNED.add(decision.backend)

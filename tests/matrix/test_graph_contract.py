@@ -1,10 +1,11 @@
-"""The CUDA-graph contract against a real vLLM release (tox envs vllm0221 ... vllm0330).
+"""The CUDA-graph contract against a real vLLM release (tox envs vllm0151 ... vllm0330).
 
 ``compat.graphs.restrict_cudagraph_support`` is installed on the release's real FlashInfer and
 FlashAttention backend classes; their real ``get_cudagraph_support`` is called the way both model
 runners call it (v1: through the builder class; v2: through a builder instance), and the level it
 returns is handed to the release's own ``CompilationConfig.resolve_cudagraph_mode_and_sizes`` with
-vLLM's GPU default ``FULL_AND_PIECEWISE``.
+vLLM's GPU default ``FULL_AND_PIECEWISE`` (0.15.1 - 0.19.1, which lack it: the v1 runner's own
+``_check_and_update_cudagraph_mode``, see ``resolve_in_v1_runner``).
 
 The native answers on this CPU machine were read from each release's sources
 (tests/matrix/FINDINGS.md, "CUDA graphs"): FlashAttention's class attribute is UNIFORM_BATCH without
@@ -31,12 +32,24 @@ pytestmark = pytest.mark.vllm
 DECODE, BATCH, NEVER = "UNIFORM_SINGLE_TOKEN_DECODE", "UNIFORM_BATCH", "NEVER"
 #: release -> (FLASHINFER causal, FLASHINFER non-causal or None where the config has no such field).
 FLASHINFER_NATIVE = {
+    "0.15.1": (DECODE, None),
+    "0.16.0": (DECODE, None),
+    "0.17.1": (DECODE, None),
+    "0.18.1": (DECODE, None),
+    "0.19.1": (DECODE, None),
+    "0.20.2": (DECODE, None),
+    "0.21.0": (DECODE, None),
     "0.22.1": (DECODE, None),
+    "0.23.0": (DECODE, None),
+    "0.24.0": (DECODE, None),
     "0.25.1": (DECODE, None),
+    "0.26.0": (DECODE, DECODE),
+    "0.27.1": (DECODE, DECODE),
     "0.28.0": (DECODE, DECODE),
     "0.29.0": (DECODE, DECODE),
     "0.30.0": (DECODE, DECODE),
     "0.31.0": (DECODE, DECODE),
+    "0.32.0": (DECODE, DECODE),
     "0.33.0": (BATCH, DECODE),
 }
 FLASH_ATTN_NATIVE = BATCH
@@ -119,6 +132,56 @@ def native(name: str, release: str, non_causal: bool = False) -> str | None:
 def min_level(a: str, b: str) -> str:
     order = [NEVER, DECODE, BATCH, "ALWAYS"]
     return order[min(order.index(a), order.index(b))]
+
+
+class _Dispatcher:
+    """``CudagraphDispatcher`` stand-in: records the keys the runner initialises after resolving."""
+
+    def __init__(self):
+        self.calls = []
+
+    def initialize_cudagraph_keys(self, mode, uniform_decode_query_len):
+        self.calls.append((mode, uniform_decode_query_len))
+
+
+def resolve_in_v1_runner(real_config, compilation, query_len):
+    """0.15.1-0.19.1: the release's own ``GPUModelRunner._check_and_update_cudagraph_mode`` on a stand-in runner.
+
+    Those releases resolve inline in the v1 runner (``CompilationConfig.resolve_cudagraph_mode_and_sizes`` exists from
+    0.20.2). The runner module cannot be imported here (it imports the n-gram proposer, hence numba, which the CPU
+    closure lacks), so the method is compiled from the installed module's own source text; it asks the real builders
+    itself (``builder_cls.get_cudagraph_support(self.vllm_config, spec)``) and takes the minimum, as it does on a GPU.
+    """
+    import ast
+    import logging
+    import types
+    from pathlib import Path
+
+    from vllm.config import set_current_vllm_config
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+    from vllm.v1.attention.backend import AttentionCGSupport
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MambaSpec
+
+    source = Path(importlib.util.find_spec("vllm.v1.worker.gpu_model_runner").origin).read_text()
+    runner_cls = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "GPUModelRunner")
+    method = next(n for n in runner_cls.body if isinstance(n, ast.FunctionDef) and n.name == "_check_and_update_cudagraph_mode")
+    for arg in method.args.args:
+        arg.annotation = None  # names the module imports only for typing
+    method.returns = None
+    namespace = {"AttentionCGSupport": AttentionCGSupport, "CUDAGraphMode": CUDAGraphMode,
+                 "CompilationMode": CompilationMode, "MambaSpec": MambaSpec, "logger": logging.getLogger("vllm")}
+    exec(compile(ast.Module([method], type_ignores=[]), "gpu_model_runner.py", "exec"), namespace)
+    runner = types.SimpleNamespace(
+        vllm_config=_Config(real_config, non_causal=False), compilation_config=compilation,
+        parallel_config=real_config.parallel_config, uniform_decode_query_len=query_len, speculative_config=None,
+        kv_cache_config=None, cudagraph_batch_sizes=[], cudagraph_dispatcher=_Dispatcher(),
+    )
+    groups = [KVCacheGroupSpec(layer_names=["model.layers.0.self_attn.attn"], kv_cache_spec=spec())]
+    with set_current_vllm_config(real_config):
+        namespace["_check_and_update_cudagraph_mode"](runner, [{backend("FLASHINFER"), backend("FLASH_ATTN")}], groups)
+    resolved = compilation.cudagraph_mode
+    assert runner.cudagraph_dispatcher.calls == [(resolved, query_len)]
+    return resolved
 
 
 CASES = [
@@ -214,10 +277,13 @@ def test_release_resolves_the_mode_from_the_declared_minimum(release, cpu_config
     envs.reset_for_tests()
     for name in ("FLASHINFER", "FLASH_ATTN"):
         graphs.restrict_cudagraph_support(backend(name))
-    levels = [AttentionCGSupport[ask(name, cpu_config)] for name in ("FLASHINFER", "FLASH_ATTN")]
-    minimum = min(levels, key=lambda level: level.value)
     compilation = copy.deepcopy(cpu_config.compilation_config)
     assert compilation.splitting_ops_contain_attention()
     compilation.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
-    resolved = compilation.resolve_cudagraph_mode_and_sizes(minimum, "FLASHINFER", uniform_decode_query_len=query_len)
+    if hasattr(compilation, "resolve_cudagraph_mode_and_sizes"):
+        levels = [AttentionCGSupport[ask(name, cpu_config)] for name in ("FLASHINFER", "FLASH_ATTN")]
+        minimum = min(levels, key=lambda level: level.value)
+        resolved = compilation.resolve_cudagraph_mode_and_sizes(minimum, "FLASHINFER", uniform_decode_query_len=query_len)
+    else:
+        resolved = resolve_in_v1_runner(cpu_config, compilation, query_len)
     assert resolved.name == mode
