@@ -142,7 +142,8 @@ def _eval_prompts(ckpt: Path, args) -> list[list[int]]:
     heads, measured per launch: 6 % of tiles at kv_len 2030-2049, 96 % at 2010-2019, the same
     for calibration and held-out prompts at equal kv_len). Prompts sized for 32 decode tokens
     while calibration reserved 16 are ~16 tokens shorter, so their decode steps fall in another
-    part of that swing: the held-out set then measured +7 points over the target."""
+    part of that swing (the generator's length stagger, not this alone, covers the rest: see
+    :mod:`sparse_attn.calibration.synthetic`)."""
     from tokenizers import Tokenizer
 
     from sparse_attn.calibration.synthetic import generate_calibration_samples
