@@ -4,7 +4,8 @@ Runs on one GPU with torch and triton installed and nothing else (no vLLM, no py
 in at most ~8 minutes on an H200:
 
 1. **kernels**: the compiled Triton kernel (no interpreter) in fp32, bf16 and fp16 on GQA
-   groups 1/4/8, decodes crossing several KV splits, mixed prefill/decode batches and
+   groups 1/4/8, decodes crossing several KV splits (one with a split per KV tile, so
+   every split program computes its tile-0 seed), mixed prefill/decode batches and
    the default ``SPLIT_K``, against the float64 brute-force reference of
    ``tests/sparse_attn/kernel_reference.py`` (dense output at lambda 0; outputs and skip
    counts under lambda), and calibration counts == serving skips.
@@ -56,6 +57,8 @@ KERNEL_CASES = {
     "gqa8-decode-page7-packed": ([1500, 129], [1, 1], 16, 2, 128, 7, "packed_kv", 192),
     "gqa4-default-split-decode": ([SPLIT_K * 3 + 300, 700], [1, 1], 8, 2, 128, 16, "packed_kv", None),
     "gqa4-prefill-chunked": ([1300], [300], 8, 2, 128, 16, "contiguous", None),
+    # Every tile opens a split: each split program reads K tile 0 for its seed.
+    "gqa4-decode-split-per-tile": ([1100, 300], [1, 1], 8, 2, 128, 16, "contiguous", 64),
 }
 DRY_KERNEL_CASES = {
     "gqa1-decode-splits": ([300, 65], [1, 1], 2, 2, 16, 16, "contiguous", 128),

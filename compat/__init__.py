@@ -1,7 +1,8 @@
 """compat: the only place in sparse-attn that knows about vLLM releases.
 
-It probes the installed vLLM once, when first imported (``probe()``), and
-exports the functions the version-free ``sparse_attn`` package calls:
+Importing it is cheap and probes nothing: the installed vLLM is probed on the
+first call that needs a fact (``probe()``, cached until ``reset_for_tests()``).
+It exports the functions the version-free ``sparse_attn`` package calls:
 
 * ``kv_cache_views(kv_cache, *, head_size, backend, isa=None)`` -> ``(key_cache, value_cache)``,
   zero-copy logical ``[num_blocks, block_size, num_kv_heads, head_size]`` views;
@@ -10,6 +11,10 @@ exports the functions the version-free ``sparse_attn`` package calls:
   ``None`` when vLLM already stored the new tokens before ``forward``;
 * ``reset_for_tests()``.
 
+The other boundaries live in submodules: ``compat.worker`` (model-load hook,
+worker RPC, replacing an impl, the impl ``forward`` call), ``compat.model``
+(attention layers, batch description and the phase rule) and ``compat.launch``
+(server module, engine keyword arguments, server flags, ``VLLM_*`` variables).
 ``python -m compat`` prints what was decided and why.
 """
 
@@ -21,8 +26,9 @@ import torch
 
 from compat import envs, graphs, layouts
 from compat.errors import (
-    BatchDescriptionError,
     CompatError,
+    HookError,
+    ImplReplacementError,
     InvalidOverrideError,
     KVWriteError,
     UnknownBackendError,
@@ -34,9 +40,10 @@ from compat.probe import BackendReport, CompatReport, run_probe
 
 __all__ = [
     "BackendReport",
-    "BatchDescriptionError",
     "CompatError",
     "CompatReport",
+    "HookError",
+    "ImplReplacementError",
     "InvalidOverrideError",
     "KVLayout",
     "KVWriteError",
@@ -86,10 +93,11 @@ def _bind(backend: str) -> tuple[Callable, Callable[[], str]]:
 
         def refuse(kv_cache: torch.Tensor, head_size: int, isa: str | None, _context: Callable[[], str]) -> layouts.KVViews:
             raise UnsupportedLayoutError(
-                f"no KV-cache layout is known for backend {backend} ({describe_version(report.vllm_version)}): {why}. "
-                f"Observed cache shape {list(kv_cache.shape)}. Expected one of the catalogue layouts "
-                f"({', '.join(x.value for x in KVLayout)}). Fix: set SPARSE_ATTN_KV_LAYOUT={backend}=<layout> if you "
-                f"know it, or pin a vLLM release listed in CONTRIBUTING.md."
+                f"no KV-cache layout is known for backend {backend} ({why})",
+                observed=f"cache shape {list(kv_cache.shape)}",
+                expected=f"one of the catalogue layouts ({', '.join(x.value for x in KVLayout)})",
+                fix=f"set SPARSE_ATTN_KV_LAYOUT={backend}=<layout> if you know it, or pin a vLLM release listed in README.md",
+                vllm_version=report.vllm_version,
             )
 
         _bound[backend] = (refuse, context)
@@ -120,11 +128,15 @@ def write_kv_cache(
     head_size: int,
     backend: str,
     isa: str | None = None,
+    check: bool = True,
 ) -> None:
     """Store ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` at ``slot_mapping``
-    ``[num_tokens]`` (``block * block_size + offset``; negative = padding, skipped), in place."""
+    ``[num_tokens]`` (``block * block_size + offset``; negative = padding, skipped), in place.
+
+    ``check=False`` reads no device data on the host (safe inside CUDA-graph capture):
+    no slot range check, and padding is skipped without data-dependent shapes."""
     key_cache, value_cache = kv_cache_views(kv_cache, head_size=head_size, backend=backend, isa=isa)
-    layouts.write(key, value, key_cache, value_cache, slot_mapping)
+    layouts.write(key, value, key_cache, value_cache, slot_mapping, check=check)
 
 
 def cache_writer(backend: str) -> Callable[..., None] | None:
@@ -135,11 +147,3 @@ def cache_writer(backend: str) -> Callable[..., None] | None:
     """
     return write_kv_cache if probe().backend(backend).writer == "adapter" else None
 
-
-# Probe at import, once: the report is what every later call binds to. A bad
-# override is not swallowed: the report stays unset and the first ``probe()``
-# (the plugin's start-up, ``python -m compat``) raises it with its fix.
-try:
-    probe()
-except CompatError:
-    pass

@@ -13,7 +13,9 @@ Nothing here imports vLLM.
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -47,6 +49,8 @@ class EnvVar:
     #: what values are valid, for ``python -m compat`` and the README (built from the
     #: validation tuples above, never typed a second time)
     choices: str
+    #: set by the project's own drivers for the processes they start, not by users
+    internal: bool = False
 
 
 def _parse_layout_override(raw: str, var: EnvVar) -> Mapping[str, str]:
@@ -117,6 +121,24 @@ def _parse_nonnegative_float(raw: str, var: EnvVar) -> float:
     return value
 
 
+def _parse_scale_list(raw: str, var: EnvVar) -> tuple[float, ...] | None:
+    """``""`` -> None; ``"[0.1, 2.5]"`` -> ``(0.1, 2.5)``: a JSON list of finite numbers > 0."""
+    if not raw.strip():
+        return None
+    try:
+        values = json.loads(raw)
+        ok = isinstance(values, list) and bool(values) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in values)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise InvalidOverrideError(
+            f"{var.name} is not a JSON list of numbers > 0", observed=repr(raw[:200]), expected=var.choices,
+            fix=f"unset {var.name}: `sparse-attn calibrate` sets it for the engine it starts",
+        )
+    return tuple(float(v) for v in values)
+
+
 def _check_choice(var: EnvVar, value: str, choices: tuple[str, ...], what: str = "value") -> None:
     if value not in choices:
         raise InvalidOverrideError(
@@ -182,6 +204,17 @@ REGISTRY: dict[str, EnvVar] = {
             parse=_parse_nonnegative_float,
             choices="a number >= 0",
         ),
+        EnvVar(
+            name="SPARSE_ATTN_CALIBRATION_SCALES",
+            default="",
+            doc=(
+                "Internal: set by `sparse-attn calibrate` for the engine it starts. A JSON list of candidate "
+                "scale factors; workers then count skippable tiles per candidate and keep outputs dense."
+            ),
+            parse=_parse_scale_list,
+            choices="a JSON list of numbers > 0, e.g. [0.01, 0.5, 12.0]",
+            internal=True,
+        ),
     )
 }
 
@@ -200,7 +233,7 @@ def get(name: str) -> Any:
         raw = os.environ.get(name)
         given = raw is not None and raw.strip() != ""
         value = var.parse(raw if given else var.default, var)
-        if given and raw.strip() != var.default and name not in _logged:
+        if given and raw.strip() != var.default and not var.internal and name not in _logged:
             _logged.add(name)
             logger.info("sparse-attn: override %s=%s applied", name, raw)
         _cache[name] = value

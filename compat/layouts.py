@@ -6,7 +6,7 @@ each a zero-copy *logical* ``[B, N, H, D]`` view sharing storage with the cache,
 whatever stride order (NHD/HND, LBNHC/LBHNC, ...) the release allocated it in:
 only the logical axis order is fixed by a layout, strides are read from the tensor.
 
-Layouts and the releases that use them (see ``../shared/vllm-facts.md``):
+Layouts and the releases that use them (each row proven per release by ``tests/matrix``):
 
 * ``blocks-first`` ``[B, 2, N, H, D]``: axis 1 selects K (0) or V (1).
   FlashInfer up to 0.25; FlashAttention 0.23-0.25.
@@ -69,11 +69,12 @@ def _no_context() -> str:
 
 def _mismatch(layout: KVLayout, kv_cache: torch.Tensor, head_size: int, why: str, context: ErrorContext) -> UnsupportedLayoutError:
     return UnsupportedLayoutError(
-        f"KV cache of shape {list(kv_cache.shape)} (strides {list(kv_cache.stride())}, {kv_cache.dtype}) "
-        f"does not match layout {layout.value!r}: {why}. Expected logical shape {layout.expected_shape} "
-        f"with head_size={head_size}; {context()}. Fix: if the layout is wrong for this vLLM release, set "
-        f"SPARSE_ATTN_KV_LAYOUT=BACKEND=<layout> (one of {', '.join(x.value for x in KVLayout)}) and report "
-        f"the output of `python -m compat`; if head_size is wrong, pass the layer's head_size."
+        f"KV cache of shape {list(kv_cache.shape)} does not match layout {layout.value!r} ({why}; {context()})",
+        observed=f"strides {list(kv_cache.stride())}, {kv_cache.dtype}",
+        expected=f"logical shape {layout.expected_shape} with head_size={head_size}",
+        fix=(f"if the layout is wrong for this vLLM release, set SPARSE_ATTN_KV_LAYOUT=BACKEND=<layout> (one of "
+             f"{', '.join(x.value for x in KVLayout)}) and report the output of `python -m compat`; if head_size "
+             f"is wrong, pass the layer's head_size"),
     )
 
 
@@ -101,10 +102,11 @@ def _cpu_packed(kv: torch.Tensor, head_size: int, isa: str | None, context: Erro
         raise _mismatch(KVLayout.CPU_PACKED, kv, head_size, "need 4 dims with 2 * head_size last", context)
     if isa not in CPU_ISAS_DIM_MAJOR_K:
         raise UnsupportedLayoutError(
-            f"CPU attention ISA {isa!r} packs keys inside a page in a way compat has not verified "
-            f"(known: {', '.join(sorted(CPU_ISAS_DIM_MAJOR_K))}); {context()}. Reading it as dim-major "
-            f"keys could return the wrong memory. Fix: run vLLM with an ISA compat knows (fp32/fp16 model "
-            f"dtype selects 'vec' on x86), or add the ISA's page layout to compat.layouts with a contract test."
+            f"CPU attention ISA {isa!r} packs keys inside a page in a way compat has not verified; reading it as "
+            f"dim-major keys could return the wrong memory ({context()})",
+            observed=f"ISA {isa!r}", expected=f"one of {', '.join(sorted(CPU_ISAS_DIM_MAJOR_K))}",
+            fix=("run vLLM with an ISA compat knows (fp32/fp16 model dtype selects 'vec' on x86), or add the ISA's "
+                 "page layout to compat.layouts with a contract test"),
         )
     num_blocks, num_heads, block_size, _ = kv.shape
     block_stride, head_stride, token_stride, elem_stride = kv.stride()
@@ -139,24 +141,45 @@ def views(layout: KVLayout | str, kv_cache: torch.Tensor, head_size: int, *, isa
     return VIEW_FUNCTIONS[KVLayout(layout)](kv_cache, head_size, isa, context)
 
 
-def write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+          *, check: bool = True) -> None:
     """Store new tokens through logical ``[B, N, H, D]`` views, in place.
 
     ``key``/``value``: ``[T, H, D]``; ``slot_mapping``: ``[T]`` with slot
     ``s = block * N + offset``; negative slots are padding and are skipped,
     as in vLLM's own cache ops. Values must already be in the cache dtype
     (fp8 values may come as a float8 tensor into a ``uint8`` cache).
+
+    ``check=False`` reads no device data on the host (CUDA-graph capture): the
+    slot range is not checked, and padding rows are redirected to repeat the
+    first real row's write (the same slot and value, so duplicate indices
+    cannot race), or, in an all-padding batch, rewrite block 0 slot 0 with its
+    own value. Shapes stay fixed; nothing is synchronised.
     """
     num_blocks, block_size, num_heads, head_size = key_cache.shape
     for name, tensor in (("key", key), ("value", value)):
         if tensor.dim() != 3 or tensor.shape[1:] != (num_heads, head_size) or tensor.shape[0] != slot_mapping.shape[0]:
             raise KVWriteError(
-                f"{name} has shape {list(tensor.shape)}; expected [num_tokens={slot_mapping.shape[0]}, "
-                f"num_kv_heads={num_heads}, head_size={head_size}] to match slot_mapping and the cache."
+                f"new {name} tokens do not fit slot_mapping and the cache", observed=f"shape {list(tensor.shape)}",
+                expected=f"[num_tokens={slot_mapping.shape[0]}, num_kv_heads={num_heads}, head_size={head_size}]",
+                fix="pass the layer's own key/value rows and its slot_mapping",
             )
     key, value = _as_cache_dtype(key, key_cache.dtype), _as_cache_dtype(value, value_cache.dtype)
     slots = slot_mapping.to(torch.long)
     keep = slots >= 0
+    if not check:
+        if slots.numel() == 0:
+            return
+        # index_select with a [1] index tensor: indexing by a 0-d tensor would read it on the host.
+        first = torch.argmax(keep.to(torch.int32)).view(1)  # first real row (0 if none)
+        any_real = keep.any()
+        ref_slot = torch.where(any_real, slots.index_select(0, first), torch.zeros_like(first))
+        slots = torch.where(keep, slots, ref_slot)
+        blocks, offsets = slots // block_size, slots % block_size
+        for src, cache in ((key, key_cache), (value, value_cache)):
+            ref = torch.where(any_real, src.index_select(0, first), cache[0, 0])
+            cache[blocks, offsets] = torch.where(keep[:, None, None], src, ref)
+        return
     if not bool(keep.all()):
         slots, key, value = slots[keep], key[keep], value[keep]
     if slots.numel() == 0:
@@ -164,8 +187,9 @@ def write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value
     capacity = num_blocks * block_size
     if int(slots.max()) >= capacity:
         raise KVWriteError(
-            f"slot {int(slots.max())} is out of range for a cache of {num_blocks} blocks x {block_size} "
-            f"tokens ({capacity} slots); the slot_mapping does not belong to this cache."
+            "a slot is out of range: the slot_mapping does not belong to this cache",
+            observed=f"slot {int(slots.max())}", expected=f"< {capacity} ({num_blocks} blocks x {block_size} tokens)",
+            fix="pass the slot_mapping of the batch this cache serves",
         )
     blocks, offsets = slots // block_size, slots % block_size
     key_cache[blocks, offsets] = key
@@ -181,6 +205,7 @@ def _as_cache_dtype(tensor: torch.Tensor, cache_dtype: torch.dtype) -> torch.Ten
     if cache_dtype == torch.uint8 and tensor.dtype in _FLOAT8:
         return tensor.view(torch.uint8)
     raise KVWriteError(
-        f"new K/V are {tensor.dtype} but the cache stores {cache_dtype}; compat stores values as they are "
-        f"and does not quantise. Fix: pass values already in the cache dtype (float8 into a uint8 cache is accepted)."
+        "new K/V are not in the cache dtype; compat stores values as they are and does not quantise",
+        observed=str(tensor.dtype), expected=str(cache_dtype),
+        fix="pass values already in the cache dtype (float8 into a uint8 cache is accepted)",
     )

@@ -5,14 +5,20 @@ Each fact is decided in this order, and the deciding step is recorded:
 
 1. ``env``   -- an explicit override from ``compat.envs``;
 2. ``probe`` -- a capability of the installed release: the backend's own
-   ``get_kv_cache_shape`` (up to 0.28), vLLM's own per-layer view construction
-   ``create_kv_cache_views`` (0.29+, where the shape method is gone), and the
-   backend attribute ``forward_includes_kv_cache_update`` (documented default True);
+   ``get_kv_cache_shape`` (up to 0.28); from 0.29 (where the shape method is gone)
+   the backend's own ``supported_kv_cache_layouts()`` as vLLM's resolver reads it
+   (``get_supported_kv_cache_layouts``; ``None`` = vLLM's documented default
+   preference), then vLLM's own per-layer view construction
+   ``create_kv_cache_views`` with THAT layout; and the backend attribute
+   ``forward_includes_kv_cache_update`` (documented default True);
 3. ``table`` -- ``RELEASE_TABLE``, only when no capability answers.
 
-The probe runs once per process (``probe()`` caches it) and has no side
-effects: it creates no CUDA context, sets no vLLM config and only allocates a
-few hundred bytes on the CPU. ``reset_for_tests()`` is the only way to rerun it.
+The probe runs once per process, on first use (``compat.probe()`` caches it;
+importing ``compat`` does not probe), and ``reset_for_tests()`` is the only way
+to rerun it. It creates no CUDA context and sets no vLLM config, but it is not
+free: it imports vLLM's backend registry and every served backend module
+(seconds per process; ``tests/matrix/FINDINGS.md`` measured 7.6-9.9 s), and on
+0.29+ it lets vLLM view a CPU buffer of ``SENTINEL`` size (about 170 KB).
 """
 
 from __future__ import annotations
@@ -46,8 +52,12 @@ BACKEND_CLASS_PATHS: dict[str, str] = {
 
 #: The CPU backend's kernels read a packed page as all keys then all values
 #: (``kv.view(B, H, 2N, D).chunk(2, dim=2)``), unlike FlashInfer/FlashAttention
-#: which read each token's K then V. This is a property of the backend's page
-#: format, not of a release: a packed shape from CPU_ATTN means ``cpu-packed``.
+#: which read each token's K then V. This is a NAME RULE, not a probe: no vLLM
+#: release (0.22-0.33 read) exposes the page format through a capability.
+#: ``supported_kv_cache_layouts()`` only says which physical orders a backend
+#: accepts (CPU: ``(LBHNC,)``; FlashInfer on SM100: ``(LBHNC, BLHNC)`` with a
+#: K-then-V page), so it cannot tell the two formats apart. The evidence text of
+#: every report this rule decides says so.
 PAGE_FORMAT_KEYS_THEN_VALUES: frozenset[str] = frozenset({"CPU_ATTN"})
 
 #: Sentinel sizes for shape probes: pairwise distinct (and distinct from 2 and
@@ -57,7 +67,7 @@ SENTINEL = types.MappingProxyType({"num_blocks": 11, "block_size": 32, "num_kv_h
 
 #: Last resort, per release range: only consulted when neither the shape method
 #: nor the KV-cache view construction can be called. Rows were read from each
-#: release's backend sources (``../shared/vllm-facts.md``, tables A and B);
+#: release's backend sources (checked per release by ``tests/matrix``);
 #: ``None`` = a layout the catalogue does not describe.
 RELEASE_TABLE: tuple[tuple[str, str, dict[str, KVLayout | None]], ...] = (
     ("0.26", "9999", {"FLASHINFER": KVLayout.PACKED, "FLASH_ATTN": KVLayout.PACKED, "CPU_ATTN": KVLayout.CPU_PACKED}),
@@ -248,16 +258,20 @@ def _decide_layout(name: str, cls: type, version: str) -> tuple[KVLayout | None,
         try:
             shape = tuple(cls.get_kv_cache_shape(SENTINEL["num_blocks"], SENTINEL["block_size"], SENTINEL["num_kv_heads"], SENTINEL["head_size"]))
             layout = _classify(name, shape)
-            return layout, "probe", f"{cls.__name__}.get_kv_cache_shape{_sentinel_args()} -> {shape}"
+            return layout, "probe", f"{cls.__name__}.get_kv_cache_shape{_sentinel_args()} -> {shape}{_page_format_note(name, layout)}"
         except Exception as exc:  # noqa: BLE001 - fall through to the next capability
             attempts.append(f"get_kv_cache_shape failed: {type(exc).__name__}: {exc}")
     else:
         try:
-            shape = _shape_from_view_construction()
+            kv_layout, why = _backend_kv_cache_layout(cls)
+            shape, strides = _view_from_construction(kv_layout)
             layout = _classify(name, shape)
-            return layout, "probe", f"create_kv_cache_views{_sentinel_args()} -> per-layer view {shape}"
+            return layout, "probe", (
+                f"{why}; create_kv_cache_views{_sentinel_args()} with {kv_layout.name} -> per-layer view {shape} "
+                f"strides {strides}{_page_format_note(name, layout)}"
+            )
         except Exception as exc:  # noqa: BLE001 - fall through to the table
-            attempts.append(f"create_kv_cache_views failed: {type(exc).__name__}: {exc}")
+            attempts.append(f"KV-cache layout / create_kv_cache_views failed: {type(exc).__name__}: {exc}")
     layout, row = _table_layout(name, version)
     attempts.append(f"release table row {row}" if row else "no release table row")
     return layout, "table", "; ".join(attempts)
@@ -265,6 +279,12 @@ def _decide_layout(name: str, cls: type, version: str) -> tuple[KVLayout | None,
 
 def _sentinel_args() -> str:
     return "({num_blocks}, {block_size}, {num_kv_heads}, {head_size})".format(**SENTINEL)
+
+
+def _page_format_note(name: str, layout: KVLayout | None) -> str:
+    if layout is KVLayout.CPU_PACKED:
+        return f"; keys-then-values page: name rule for {name} (no vLLM capability exposes the page format)"
+    return ""
 
 
 def _classify(name: str, shape: tuple[int, ...]) -> KVLayout | None:
@@ -279,15 +299,50 @@ def _classify(name: str, shape: tuple[int, ...]) -> KVLayout | None:
     return None
 
 
-def _shape_from_view_construction() -> tuple[int, ...]:
-    """The per-layer logical cache shape vLLM's worker would hand an impl (0.29+).
+def _backend_kv_cache_layout(cls: type) -> tuple[Any, str]:
+    """The ``KVCacheLayout`` vLLM (0.29+) resolves for a model served by ``cls`` alone.
 
-    Builds a one-layer ``FullAttentionSpec`` of sentinel sizes and lets vLLM's own
-    ``create_kv_cache_views`` view a tiny CPU buffer, exactly as the worker does.
+    The backend states its own requirement: ``supported_kv_cache_layouts()``
+    (most preferred first; ``None`` = any layout). vLLM's engine core folds those
+    into candidates with ``get_supported_kv_cache_layouts`` (``None`` from every
+    backend -> its documented default preference, ``_DEFAULT_LAYOUT_PREFERENCE``)
+    and, with no ``VLLM_KV_CACHE_LAYOUT`` and no KV connector, takes the first
+    candidate (``resolve_kv_cache_layout``). ``resolve_kv_cache_layout`` itself is
+    not called: it records its answer on the ``VllmConfig`` it is given, and the
+    probe must not build or mutate a config. FlashInfer's answer reads
+    ``current_platform.get_device_capability()`` (SM100 -> head-major layouts),
+    which vLLM's CUDA platform answers through NVML without a CUDA context.
+
+    Returns ``(layout, evidence)``. Raises when the release has no such capability.
+    """
+    utils = importlib.import_module("vllm.v1.attention.backends.utils")
+    declared = cls.supported_kv_cache_layouts()
+    said = f"{cls.__name__}.supported_kv_cache_layouts() -> " + (
+        "None (any layout)" if declared is None else "(" + ", ".join(m.name for m in declared) + ")"
+    )
+    if hasattr(utils, "get_supported_kv_cache_layouts"):
+        candidates = list(utils.get_supported_kv_cache_layouts([cls]))
+        source = "get_supported_kv_cache_layouts"
+    elif declared is not None:
+        candidates, source = list(declared), "declared"
+    else:
+        candidates, source = list(utils._DEFAULT_LAYOUT_PREFERENCE), "vLLM default preference"
+    if not candidates:
+        raise LookupError(f"{said}; {source} gave no candidate layout")
+    names = ", ".join(m.name for m in candidates)
+    return candidates[0], f"{said}; {source} -> [{names}]; resolver default (VLLM_KV_CACHE_LAYOUT unset) {candidates[0].name}"
+
+
+def _view_from_construction(kv_layout: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(shape, strides)`` of the per-layer cache view vLLM's worker (0.29+) hands an impl.
+
+    Builds a one-layer ``FullAttentionSpec`` of sentinel sizes (fp16) and lets
+    vLLM's own ``create_kv_cache_views`` view a tiny CPU buffer in ``kv_layout``,
+    exactly as the worker does. One layer: the layer and block strides are the
+    same for every layout; the layout only orders the page interior.
     """
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, create_kv_cache_views
-    from vllm.v1.kv_cache_layout import KVCacheLayout
 
     num_blocks = SENTINEL["num_blocks"]
     spec = FullAttentionSpec(
@@ -296,8 +351,8 @@ def _shape_from_view_construction() -> tuple[int, ...]:
     page_bytes = spec.page_size_bytes
     tensor = KVCacheTensor(size=page_bytes * num_blocks, layers=["sparse_attn_probe"], layer_stride=page_bytes * num_blocks, block_stride=page_bytes)
     raw = torch.empty(page_bytes * num_blocks, dtype=torch.int8)
-    (view,) = create_kv_cache_views(raw, spec, num_blocks, KVCacheLayout.LBHNC, tensor)
-    return tuple(view.shape)
+    (view,) = create_kv_cache_views(raw, spec, num_blocks, kv_layout, tensor)
+    return tuple(view.shape), tuple(view.stride())
 
 
 def _table_layout(name: str, version: str) -> tuple[KVLayout | None, str | None]:

@@ -1,118 +1,180 @@
 """The sparse attention impl that replaces a vLLM layer's ``impl``.
 
-It becomes a subclass of the native impl's own class holding the native
-instance's state (so vLLM's ``isinstance`` checks, ``do_kv_cache_update`` and
-every initialised attribute stay as they were), and, per launch:
+``make_sparse`` asks ``compat.worker.replace_impl`` for a subclass of the native
+impl's class holding the native instance's state (so vLLM's ``isinstance``
+checks, ``do_kv_cache_update`` and every initialised attribute stay as they
+were). Per launch (``forward(*args, **kwargs)``, normalised by
+``compat.worker.describe_call``):
 
-* runs the native path for profiling/warm-up (no metadata), cascade or
-  non-causal launches, fused output quantisation, and launches whose phases
-  are all uncalibrated or whose threshold is >= 1 (nothing would survive);
-* otherwise stores new tokens through ``compat.cache_writer`` when the
-  release's forward path owns the write (exactly once: never when the native
-  path ran, which writes for itself), reads K/V through ``compat``'s views, and
-  runs the skip-softmax kernel once per phase, each sequence with its own
-  threshold ``lambda = a * exp(b * target) / kv_len`` (mixed decode+prefill
-  batches are split so each phase gets its own fit);
-* in calibration mode, runs the dense counting kernel for a grid of candidate
-  scale factors and records integer counts per phase.
+* the native path (``compat.worker.call_native``, exactly what vLLM passed) for
+  profiling/warm-up (no metadata), fused output quantisation, unknown
+  arguments, cascade or non-causal launches, and launches whose phases are all
+  uncalibrated;
+* **uniform decode** (every query length <= 1: the batches vLLM captures in full
+  CUDA graphs): a capture-safe path that reads no device data on the host.
+  Lambdas ``scale / seq_len`` are computed on the device (``>= 1`` -> 0 = dense),
+  the phase mask comes from ``compat.model.BatchDescription.decode_mask``, the
+  kernel runs once with ``check=False``, and its counts are added to device
+  counters (``WorkerStats.add_device``);
+* **prefill and mixed batches** (vLLM runs attention eagerly there): host-side
+  batch lists, one kernel launch per phase, each sequence with its own threshold
+  ``lambda = a * exp(b * target) / kv_len``;
+* in calibration mode, the dense counting kernel for a grid of candidate scale
+  factors, integer counts per phase (always eager: calibration runs enforce_eager).
 
-Nothing here knows a vLLM release or a cache layout: those are ``compat`` calls.
+New tokens are stored through ``compat.cache_writer`` when the release's
+forward path owns the write (exactly once: never when the native path ran,
+which writes for itself). Nothing here knows a vLLM release or a cache layout.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import time
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
 
 import torch
 
 import compat
-from compat import runtime
+from compat import model as cmodel
+from compat import worker as cworker
 from sparse_attn.kernels import paged_attention, paged_attention_counts
-from sparse_attn.stats import STATS, WorkerStats
+from sparse_attn.protocol import PHASES
+from sparse_attn.stats import DEVICE_COUNTER_INDEX, STATS, WorkerStats
 
 logger = logging.getLogger("sparse_attn")
+
+DECODE, PREFILL = "decode", "prefill"
+assert set(PHASES) == {DECODE, PREFILL}
 
 
 @dataclass(frozen=True)
 class Policy:
     """How a layer's launches are served.
 
-    ``threshold(phase, kv_len)`` -> lambda or ``None`` (dense for that phase).
-    ``calibration_scales``: when set, counting mode with these candidate scale
-    factors (``lambda = scale / kv_len``); outputs stay dense.
+    ``scale_factors``: phase -> threshold scale factor (``lambda = scale / kv_len``),
+    ``None`` or missing = that phase runs dense. ``calibration_scales``: when set,
+    counting mode with these candidate scale factors; outputs stay dense.
     """
 
-    threshold: Callable[[str, int], float | None]
+    scale_factors: Mapping[str, float | None] = field(default_factory=dict)
     calibration_scales: tuple[float, ...] | None = None
     stats_interval_s: float = 60.0
 
+    def lambda_for(self, phase: str, kv_len: int) -> float | None:
+        """Host lambda of one sequence, or ``None`` (dense). lambda >= 1 would skip
+        every tile whose max is below the running max: no calibrated config asks for
+        that, so such a sequence stays dense."""
+        scale = self.scale_factors.get(phase)
+        if scale is None or kv_len <= 0:
+            return None
+        lam = scale / kv_len
+        if lam <= 0 or lam >= 1:
+            return None
+        return lam
 
-_SPARSE_CLASSES: dict[type, type] = {}
 
-
-def make_sparse(native: Any, info: runtime.LayerInfo, policy: Policy, stats: WorkerStats = STATS) -> Any:
-    """A sparse impl carrying ``native``'s state, as an instance of a subclass of its class."""
-    cls = type(native)
-    sparse_cls = _SPARSE_CLASSES.get(cls)
-    if sparse_cls is None:
-        sparse_cls = _SPARSE_CLASSES[cls] = type(f"Sparse{cls.__name__}", (SparseAttentionMixin, cls), {})
-    impl = object.__new__(sparse_cls)
-    impl.__dict__.update(native.__dict__)
-    impl._sa_info = info
-    impl._sa_policy = policy
-    impl._sa_stats = stats
-    impl._sa_writer = compat.cache_writer(info.backend)
-    impl._sa_last_log = time.monotonic()
-    return impl
+def make_sparse(layer: Any, info: cmodel.LayerInfo, policy: Policy, stats: WorkerStats = STATS) -> Any:
+    """Replace ``layer.impl`` by a sparse impl carrying its state; returns the new impl.
+    Raises ``compat.ImplReplacementError`` when the impl cannot be replaced."""
+    return cworker.replace_impl(layer, SparseAttentionMixin, {
+        "_sa_info": info, "_sa_policy": policy, "_sa_stats": stats, "_sa_writer": compat.cache_writer(info.backend),
+    })
 
 
 class SparseAttentionMixin:
-    """``forward`` of the sparse impl; ``super().forward`` is the native path."""
+    """``forward`` of the sparse impl; the native class's ``forward`` is the native path."""
 
-    _sa_info: runtime.LayerInfo
+    _sa_info: cmodel.LayerInfo
     _sa_policy: Policy
     _sa_stats: WorkerStats
     _sa_writer: Callable[..., None] | None
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None):
-        native_args = (layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
-        if attn_metadata is None or output_scale is not None or output_block_scale is not None:
-            return super().forward(*native_args)
-        batch = runtime.describe_batch(attn_metadata)
+    def forward(self, *args, **kwargs):
+        call = cworker.describe_call(*args, **kwargs)
+        if call.native_only:
+            return cworker.call_native(self, call)
+        batch = cmodel.describe_batch(call.attn_metadata)
         if batch.native_only:
-            return super().forward(*native_args)
-        num_tokens = batch.num_tokens
+            return cworker.call_native(self, call)
+        policy = self._sa_policy
+        if policy.calibration_scales is None and batch.uniform_decode:
+            if policy.scale_factors.get(DECODE) is None:  # uncalibrated decode: a host fact, no data read
+                self._sa_stats.add_native(DECODE)
+                return cworker.call_native(self, call)
+            self._decode(call, batch)
+            if not _capturing():
+                self._sa_stats.maybe_log(policy.stats_interval_s)
+            return call.output
+        return self._eager(call, batch)
+
+    # ------------------------------------------------------------------ shared
+    def _views(self, call: cworker.ImplCall, batch: cmodel.BatchDescription, *, check: bool):
+        info = self._sa_info
+        n = batch.num_tokens
+        isa = cmodel.layer_cpu_isa(call.layer)
+        if self._sa_writer is not None:
+            self._sa_writer(call.key[:n], call.value[:n], call.kv_cache, batch.slot_mapping[:n],
+                            head_size=info.head_size, backend=info.backend, isa=isa, check=check)
+        key_cache, value_cache = compat.kv_cache_views(call.kv_cache, head_size=info.head_size, backend=info.backend, isa=isa)
+        q = call.query[:n].view(n, info.num_heads, info.head_size)
+        out = call.output[:n].view(n, info.num_heads, info.head_size)
+        return q, out, key_cache, value_cache
+
+    # ------------------------------------------------------------------ uniform decode (capture-safe)
+    def _decode(self, call: cworker.ImplCall, batch: cmodel.BatchDescription) -> None:
+        """Every query length <= 1. Reads no device data on the host: shapes and host
+        ints (``num_tokens``, ``max_query_len``) only."""
+        self._sa_stats.count_call()
+        q, out, key_cache, value_cache = self._views(call, batch, check=False)
+        scale = float(self._sa_policy.scale_factors[DECODE])
+        # float64 division as on the host path (scale / kv_len), then fp32 as the kernel compares.
+        lam = scale / batch.seq_lens.to(torch.float64)
+        dense = (lam >= 1) | ~(lam > 0) | ~batch.decode_mask()  # also kv_len 0 (inf) and q_len 0
+        lam = torch.where(dense, torch.zeros_like(lam), lam).to(torch.float32)
+        result, skipped, visited = paged_attention(
+            q, key_cache, value_cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
+            scale=self._sa_info.scale, threshold=lam, return_counts=True, out=out,
+            max_query_len=int(batch.max_query_len), check=False,
+        )
+        # A launch whose every lambda is 0 counts as dense (as the eager path does); otherwise
+        # as one sparse launch with its tiles. Computed on the device, read by snapshot().
+        sparse = (lam > 0).any().to(torch.int64)
+        counts = torch.zeros(len(DEVICE_COUNTER_INDEX), dtype=torch.int64, device=skipped.device)
+        counts[DEVICE_COUNTER_INDEX["skipped"]] = skipped.sum() * sparse
+        counts[DEVICE_COUNTER_INDEX["visited"]] = visited.sum() * sparse
+        counts[DEVICE_COUNTER_INDEX["launches"]] = sparse
+        counts[DEVICE_COUNTER_INDEX["dense_launches"]] = 1 - sparse
+        self._sa_stats.add_device(DECODE, counts)
+        if result is not out:  # the kernel returns ``out`` itself; a copy only if an impl did not
+            out.copy_(result)
+
+    # ------------------------------------------------------------------ prefill / mixed / calibration (eager)
+    def _eager(self, call: cworker.ImplCall, batch: cmodel.BatchDescription):
+        policy = self._sa_policy
         starts = batch.query_start_loc.tolist()
         kv_lens = batch.seq_lens.tolist()
         num_seqs = len(kv_lens)
         q_lens = [starts[s + 1] - starts[s] for s in range(num_seqs)]
-        phases = ["decode" if q == 1 else "prefill" for q in q_lens]
+        phases = [DECODE if cmodel.BatchDescription.is_decode(q) else PREFILL for q in q_lens]
 
-        if self._sa_policy.calibration_scales is None:
-            lambdas = [self._lambda(phases[s], kv_lens[s]) for s in range(num_seqs)]
+        lambdas: list[float | None] = [None] * num_seqs
+        if policy.calibration_scales is None:
+            lambdas = [policy.lambda_for(phases[s], kv_lens[s]) for s in range(num_seqs)]
             if all(lam is None for lam in lambdas):
                 for phase in set(phases):
                     self._sa_stats.add_native(phase)
-                return super().forward(*native_args)
+                return cworker.call_native(self, call)
 
-        self._sa_stats.adapter_calls += 1
-        isa = runtime.layer_cpu_isa(layer)
-        if self._sa_writer is not None:
-            self._sa_writer(key[:num_tokens], value[:num_tokens], kv_cache, batch.slot_mapping[:num_tokens],
-                        head_size=self._sa_info.head_size, backend=self._sa_info.backend, isa=isa)
-        key_cache, value_cache = compat.kv_cache_views(kv_cache, head_size=self._sa_info.head_size, backend=self._sa_info.backend, isa=isa)
-        q = query[:num_tokens].view(num_tokens, self._sa_info.num_heads, self._sa_info.head_size)
-        out = output[:num_tokens].view(num_tokens, self._sa_info.num_heads, self._sa_info.head_size)
+        self._sa_stats.count_call()
+        q, out, key_cache, value_cache = self._views(call, batch, check=True)
         by_phase: dict[str, list[int]] = {}
         for s in range(num_seqs):
             if q_lens[s]:
                 by_phase.setdefault(phases[s], []).append(s)
         for phase, seqs in by_phase.items():
-            if self._sa_policy.calibration_scales is not None:
+            if policy.calibration_scales is not None:
                 # Calibration feeds one sequence at a time, and a candidate's lambda
                 # must be masked per sequence (>= 1 at short lengths): per-sequence launches.
                 for s in seqs:
@@ -130,8 +192,8 @@ class SparseAttentionMixin:
             )
             out[rows] = result
             self._sa_stats.add(phase, int(skipped.sum()), int(visited.sum()))
-        self._maybe_log()
-        return output
+        self._sa_stats.maybe_log(policy.stats_interval_s)
+        return call.output
 
     def _count(self, phase, q, out, key_cache, value_cache, batch, starts, seqs, kv_len) -> None:
         rows, block_table, seq_lens, query_start_loc = _select(batch, starts, seqs)
@@ -149,29 +211,13 @@ class SparseAttentionMixin:
             [tiles if ok else 0 for ok in usable],
         )
 
-    def _lambda(self, phase: str, kv_len: int) -> float | None:
-        lam = self._sa_policy.threshold(phase, kv_len)
-        # lambda >= 1 would skip every tile whose max is below the running max:
-        # no calibrated config asks for that, so such a launch stays dense.
-        if lam is None or lam <= 0 or lam >= 1:
-            return None
-        return lam
 
-    def _maybe_log(self) -> None:
-        interval = self._sa_policy.stats_interval_s
-        if interval <= 0 or time.monotonic() - self._sa_last_log < interval:
-            return
-        self._sa_last_log = time.monotonic()
-        snap = self._sa_stats.snapshot()
-        parts = []
-        for phase, c in snap["phases"].items():
-            ratio = f"{c['skipped'] / c['visited']:.1%}" if c["visited"] else "n/a"
-            parts.append(f"{phase} {ratio} of {c['visited']} tiles ({c['launches']} sparse, {c['dense_launches']} dense, "
-                         f"{c['native_launches']} native launches)")
-        logger.info("sparse-attn: achieved sparsity: %s", "; ".join(parts))
+def _capturing() -> bool:
+    """True while a CUDA graph is being captured on the current stream (a host query)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _select(batch: runtime.BatchDescription, starts: list[int], seqs: list[int]):
+def _select(batch: cmodel.BatchDescription, starts: list[int], seqs: list[int]):
     """Query rows, block table ``[S', max_blocks]``, KV lengths ``[S']`` and query
     offsets ``[S' + 1]`` of the sequences ``seqs`` (a slice when they are adjacent)."""
     index = torch.tensor(seqs, device=batch.seq_lens.device)

@@ -113,6 +113,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Iterable, Mapping
 
+from sparse_attn.protocol import PHASES
+
 __all__ = [
     "DEFAULT_FORMULA",
     "DISABLE_HINT",
@@ -139,7 +141,6 @@ __all__ = [
 ]
 
 SECTION_KEY = "sparse_attention_config"
-PHASES = ("prefill", "decode")
 DEFAULT_FORMULA = "a * exp(b * target_sparsity)"
 LOG_FORMULA = "exp(log_a + b * target_sparsity)"
 #: formula string (whitespace-insensitive) -> coefficient names it needs

@@ -2,8 +2,8 @@
 vLLM worker right after it loads the model.
 
 vLLM calls ``register()`` once in each of its processes (API server, engine
-core, workers; ``VLLM_PLUGINS`` still filters it). ``register`` only hooks the
-end of model loading (``compat.runtime.on_model_loaded``); the install itself
+core, workers; vLLM's plugin filter variable still applies). ``register`` only hooks the
+end of model loading (``compat.worker.on_model_loaded``); the install itself
 runs in worker processes, reads ``sparse_attention_config`` from the HF
 config vLLM loaded (local directory or hub ID alike) and replaces each
 matching attention layer's impl.
@@ -12,13 +12,13 @@ Without a config, vLLM stays untouched and one log line says so.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from typing import Any
 
 import compat
-from compat import envs, runtime
+from compat import envs, graphs
+from compat import model as cmodel
+from compat import worker as cworker
 from sparse_attn.adapter import Policy, make_sparse
 from sparse_attn.config import (
     DISABLE_HINT,
@@ -27,16 +27,13 @@ from sparse_attn.config import (
     SparseAttentionConfigError,
     read_section,
 )
+from sparse_attn.protocol import CALIBRATION_ENV, PHASES, STATS_RPC
 from sparse_attn.stats import STATS
 
 logger = logging.getLogger("sparse_attn")
 
-#: Set by ``sparse-attn calibrate`` before it starts the engine: a JSON list of
-#: candidate scale factors. Workers inherit it and run in counting mode.
-CALIBRATION_ENV = "SPARSE_ATTN_CALIBRATION_SCALES"
-#: Worker method name: ``llm.collective_rpc(STATS_RPC)`` -> one dict per worker;
-#: ``kwargs={"reset": True}`` also zeroes the counters.
-STATS_RPC = "sparse_attn_stats"
+__all__ = ["CALIBRATION_ENV", "STATS_RPC", "SparseAttentionStartupError", "install", "install_in_worker", "register",
+           "sparsity_stats"]
 
 
 class SparseAttentionStartupError(RuntimeError):
@@ -50,44 +47,43 @@ def register() -> None:
         logger.info("sparse-attn: SPARSE_ATTN_DISABLE=1, vLLM attention left native")
         return
     compat.probe()  # a bad override fails start-up here, with its fix
-    runtime.on_model_loaded(install_in_worker)
-    runtime.add_worker_rpc(STATS_RPC, sparsity_stats)
+    envs.get(CALIBRATION_ENV)  # and so does a malformed calibration variable
+    cworker.on_model_loaded(install_in_worker)
+    cworker.add_worker_rpc(STATS_RPC, sparsity_stats)
 
 
 def _log_to_stderr() -> None:
-    # vLLM configures only its own "vllm" logger; without a handler our INFO
-    # lines (the per-worker install report) would be dropped.
+    # vLLM configures only its own "vllm" logger, so without a handler our INFO
+    # lines (the per-worker install report) would be dropped. Attach one only
+    # where nothing would print them: no handler on our logger, none on the
+    # root logger (an application's logging.basicConfig / pytest's caplog), and
+    # keep propagation, so an application that configures logging sees them.
+    # The level is raised to INFO only where nobody chose one.
     for name in ("sparse_attn", "compat"):
         log = logging.getLogger(name)
-        if not log.handlers:
-            handler = logging.StreamHandler()
-            handler.setFormatter(logging.Formatter("(pid=%(process)d) %(levelname)s %(asctime)s [%(name)s] %(message)s", "%m-%d %H:%M:%S"))
-            log.addHandler(handler)
+        if log.handlers or logging.getLogger().handlers:
+            continue
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("(pid=%(process)d) %(levelname)s %(asctime)s [%(name)s] %(message)s", "%m-%d %H:%M:%S"))
+        log.addHandler(handler)
+        if log.level == logging.NOTSET:
             log.setLevel(logging.INFO)
-            log.propagate = False
-
-
-def _calibration_scales() -> tuple[float, ...] | None:
-    raw = os.environ.get(CALIBRATION_ENV)
-    if not raw:
-        return None
-    return tuple(float(x) for x in json.loads(raw))
 
 
 def _load_config(worker: Any) -> SparseAttentionConfig | None:
     """The skip-softmax config of the model this worker loaded; None = native attention.
 
-    Read from the HF config vLLM parsed (``compat.runtime.worker_hf_config_section``),
+    Read from the HF config vLLM parsed (``compat.cworker.worker_hf_config_section``),
     so hub IDs, ``--revision`` and ``--hf-overrides`` behave like a local
     directory. A section that is absent or not ours (e.g. MiniMax-M3's own
     ``sparse_attention_config``) gets one info line and never fails start-up;
     groups we do not serve are warnings (errors under ``SPARSE_ATTN_STRICT=1``);
     a malformed skip-softmax group fails start-up with its key path.
     """
-    model = runtime.worker_checkpoint(worker)
+    model = cworker.worker_checkpoint(worker)
     source = f"the HF config of {model}"
     try:
-        reading = read_section(runtime.worker_hf_config_section(worker, SECTION_KEY), source=source)
+        reading = read_section(cworker.worker_hf_config_section(worker, SECTION_KEY), source=source)
     except SparseAttentionConfigError as exc:
         raise SparseAttentionStartupError(f"sparse-attn: {exc}; {DISABLE_HINT}.") from None
     if reading.config is None and not reading.ours:
@@ -108,7 +104,7 @@ def _load_config(worker: Any) -> SparseAttentionConfig | None:
             logger.warning("sparse-attn: %s", group.message())
         logger.info("sparse-attn: %s: %s", model, reading.note)
         return None
-    for note in config.warnings + config.never_skip_warnings(runtime.worker_max_model_len(worker)):
+    for note in config.warnings + config.never_skip_warnings(cworker.worker_max_model_len(worker)):
         logger.warning("sparse-attn: %s", note)
     return config
 
@@ -116,39 +112,45 @@ def _load_config(worker: Any) -> SparseAttentionConfig | None:
 def install_in_worker(worker: Any) -> dict:
     """Replace the impl of every attention layer the checkpoint's config targets.
     Returns (and logs) the worker's install report."""
-    scales = _calibration_scales()
+    scales = envs.get(CALIBRATION_ENV)
     config = _load_config(worker)
     if config is None and scales is None:
-        return {"installed": 0, "reason": "no skip-softmax sparse_attention_config"}
+        summary = {"rank": cworker.worker_rank(worker), "installed": 0, "total": 0,
+                   "reason": "no skip-softmax sparse_attention_config"}
+        STATS.set_install(summary, ())
+        return summary
     policy = Policy(
-        threshold=(config.threshold if config else (lambda phase, kv_len: None)),
+        scale_factors={p: config.scale_factor(p) for p in PHASES} if config else {},
         calibration_scales=scales,
         stats_interval_s=envs.get("SPARSE_ATTN_STATS_INTERVAL_S"),
     )
-    return install(runtime.worker_model(worker), config, policy, rank=runtime.worker_rank(worker))
+    return install(cworker.worker_model(worker), config, policy, rank=cworker.worker_rank(worker))
 
 
 def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, rank: int = 0) -> dict:
     strict = envs.get("SPARSE_ATTN_STRICT")
     report = compat.probe()
     installed, native, backends, owners = 0, {}, set(), set()
-    layers = list(runtime.attention_layers(model))
+    layers = list(cmodel.attention_layers(model))
     for layer, info in layers:
         if config is not None and not config.matches(info.name, [info.owner_class, type(layer).__name__]):
             native[info.name] = "not targeted by the config"
             continue
         reason = _unsupported_reason(info, report)
+        if reason is None:
+            info = cmodel.prepare_layer(layer, info)
+            reason = _unsupported_reason(info, report)
+        if reason is None:
+            try:
+                make_sparse(layer, info, policy, STATS)
+            except compat.ImplReplacementError as exc:
+                reason = str(exc)
         if reason:
             native[info.name] = reason
             continue
-        if info.backend == "FLASHINFER":
-            runtime.capture_batches(layer.attn_backend)
-        layer.impl = make_sparse(layer.impl, info, policy)
         installed += 1
         backends.add(info.backend)
         owners.add(info.owner_class)
-    STATS.layers_installed, STATS.layers_total = installed, len(layers)
-    STATS.owner_classes = tuple(sorted(owners))
     problems = {name: why for name, why in native.items() if why != "not targeted by the config"}
     if strict and problems:
         raise SparseAttentionStartupError(
@@ -170,7 +172,9 @@ def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, ra
         "mode": "calibration (counting, dense outputs)" if policy.calibration_scales else "serving",
         "targets": list(config.group.targets) if config else ["all (calibration)"],
         "native": reasons,
+        "cuda_graphs": {b: d.describe() for b, d in graphs.installed().items() if b in backends},
     }
+    STATS.set_install(summary, tuple(sorted(owners)))
     logger.info(
         "sparse-attn[rank %d]: %d/%d attention layers sparse, backend %s, layout %s, cache writer %s, mode %s, targets %s%s",
         rank, installed, len(layers), ",".join(summary["backends"]) or "-", summary["layout"], summary["cache_writer"],
@@ -179,7 +183,7 @@ def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, ra
     return summary
 
 
-def _unsupported_reason(info: runtime.LayerInfo, report: compat.CompatReport) -> str | None:
+def _unsupported_reason(info: cmodel.LayerInfo, report: compat.CompatReport) -> str | None:
     if info.unsupported:
         return ", ".join(info.unsupported)
     entry = report.backends.get(info.backend)
@@ -193,8 +197,9 @@ def _unsupported_reason(info: runtime.LayerInfo, report: compat.CompatReport) ->
 
 
 def sparsity_stats(worker: Any = None, reset: bool = False) -> dict:
-    """Worker RPC ``sparse_attn_stats``: this worker's integer counters (and
-    zero them with ``reset=True``). Sum them across workers before any ratio."""
+    """Worker RPC ``STATS_RPC``: this worker's integer counters and install summary
+    (``protocol.SNAPSHOT_KEYS``); ``reset=True`` zeroes the counters. Sum them
+    across workers before any ratio."""
     snap = STATS.snapshot(reset=reset)
-    snap["rank"] = runtime.worker_rank(worker) if worker is not None else 0
+    snap["rank"] = cworker.worker_rank(worker) if worker is not None else 0
     return snap

@@ -277,7 +277,7 @@ def calibrate(args) -> int:
         raise CliError(str(exc)) from None
 
     from compat import launch
-    from sparse_attn.plugin import STATS_RPC
+    from sparse_attn.protocol import STATS_RPC
 
     with _environ({**counting_mode_env(scales), **launch.cpu_tensor_parallel_env(args.tensor_parallel_size)}):
         from tqdm import tqdm
@@ -286,7 +286,7 @@ def calibrate(args) -> int:
         llm = LLM(**launch.calibration_engine_kwargs(
             model=str(plan.ckpt), dtype=args.dtype, max_model_len=plan.max_model_len,
             tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
-            attention_backend=args.attention_backend, extra=plan.engine_extra,
+            backend=args.attention_backend, extra=plan.engine_extra,
         ))
         with tqdm(total=len(samples), desc="calibrating", unit="sample") as progress:
             measurement = measure(llm, samples, scales, decode_tokens=args.decode_tokens, stats_rpc=STATS_RPC, progress=progress)

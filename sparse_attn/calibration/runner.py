@@ -10,7 +10,6 @@ with ``collective_rpc`` and summed before any ratio is taken.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -18,8 +17,9 @@ from typing import Any, Sequence
 from sparse_attn.calibration.prompts import CalibrationSample
 from sparse_attn.calibration.fit import FitPoint
 from sparse_attn.calibration.fit import CalibrationError, SampleCounts, pool
+from sparse_attn.protocol import PHASES, calibration_env, merge_worker_counts
 
-PHASES = ("prefill", "decode")
+__all__ = ["PHASES", "Measurement", "candidate_scales", "counting_mode_env", "measure", "merge_worker_counts"]
 
 
 def candidate_scales(max_kv_len: int, num: int = 24, low: float = 1e-2) -> list[float]:
@@ -60,24 +60,6 @@ class Measurement:
                             for phase, samples in self.samples.items()}}
 
 
-def merge_worker_counts(snapshots: Sequence[dict], num_scales: int) -> dict[str, tuple[list[int], list[int]]]:
-    """Sum the integer candidate counts of all workers: phase -> (skipped, visited), one per scale.
-
-    Each worker (tensor-parallel rank) counts only the heads it serves; counts are
-    additive over heads, so the sum is the count of the whole model. A worker that
-    saw no launch of a phase contributes zeros."""
-    merged = {}
-    for phase in PHASES:
-        columns = []
-        for key in ("candidate_skipped", "candidate_visited"):
-            per_worker = [s[key].get(phase, [0] * num_scales) for s in snapshots]
-            if any(len(counts) != num_scales for counts in per_worker):
-                raise ValueError(f"{phase}: workers reported {[len(c) for c in per_worker]} {key} entries, expected {num_scales} each")
-            columns.append([sum(int(c) for c in column) for column in zip(*per_worker)])
-        merged[phase] = (columns[0], columns[1])
-    return merged
-
-
 def measure(llm: Any, samples: Sequence[CalibrationSample], scales: Sequence[float], *, decode_tokens: int,
             stats_rpc: str, progress: Any = None, sampling_params: Any = None) -> Measurement:
     """Run every sample through ``llm`` (a ``vllm.LLM`` started in counting mode), one at a time.
@@ -113,6 +95,4 @@ def measure(llm: Any, samples: Sequence[CalibrationSample], scales: Sequence[flo
 
 def counting_mode_env(scales: Sequence[float]) -> dict[str, str]:
     """Environment that puts every worker's adapters in counting mode (inherited by worker processes)."""
-    from sparse_attn.plugin import CALIBRATION_ENV
-
-    return {CALIBRATION_ENV: json.dumps(list(scales))}
+    return calibration_env(scales)

@@ -10,7 +10,7 @@ Stages (each prints a progress line and its wall time; every log goes to ``--wor
 3. **sparse**     a fresh ``sparse-attn serve`` (OpenAI HTTP server) on the calibrated checkpoint;
                   held-out long prompts are sent concurrently (prefill of many KV tiles, then
                   decode steps); the achieved per-phase sparsity comes from the workers'
-                  counters (``POST /collective_rpc`` ``sparse_attn_stats``).
+                  counters (the ``protocol.STATS_RPC`` worker method through the server's RPC route).
 4. **dense**      the same server command with ``SPARSE_ATTN_DISABLE=1`` (the plugin stays out,
                   vLLM's own CPU attention runs): the same requests give the dense reference
                   tokens. Same engine, same scheduler, same sampling: the only difference is
@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from sparse_attn.errors import CliError
+from sparse_attn.protocol import PHASES
 
 #: Logit gains of the demo's tiny model (see the module docstring for why they differ
 #: from ``build_tiny_llama``'s defaults).
@@ -58,8 +59,6 @@ EVAL_PROMPTS = 16
 TOLERANCE = 0.05
 SERVER_START_TIMEOUT_S = 240
 CALIBRATE_TIMEOUT_S = 600
-
-PHASES = ("prefill", "decode")
 
 
 def _say(msg: str) -> None:
@@ -162,6 +161,8 @@ def _eval_prompts(ckpt: Path, args) -> list[list[int]]:
 
 
 def _serve_and_generate(ckpt: Path, prompts: list[list[int]], log_path: Path, args, *, dense: bool) -> dict:
+    from compat import launch
+    from compat.errors import CompatError
     from sparse_attn.demo.server import ServeProcess, phase_totals
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSE_ATTN_")}
@@ -170,7 +171,7 @@ def _serve_and_generate(ckpt: Path, prompts: list[list[int]], log_path: Path, ar
     env.setdefault("SPARSE_ATTN_STATS_INTERVAL_S", "0")
     server = ServeProcess(ckpt, log_path=log_path, port=args.port if not dense else 0, env=env,
                           max_model_len=args.calib_max_seqlen, served_model_name="tiny-llama",
-                          vllm_args=["--seed", str(args.seed), "--no-enable-prefix-caching"])
+                          seed=args.seed, prefix_caching=False)
     with server:
         waited = server.wait_ready(timeout=SERVER_START_TIMEOUT_S)
         _say(f"    {'dense' if dense else 'sparse'} server ready on {server.base_url} after {waited:.1f} s (log {log_path})")
@@ -183,7 +184,7 @@ def _serve_and_generate(ckpt: Path, prompts: list[list[int]], log_path: Path, ar
             server.stats(reset=True)
         t = time.monotonic()
         outs = server.complete_many([{"prompt": p, "max_tokens": max(args.decode_tokens, 1), "ignore_eos": True,
-                                      "return_token_ids": True} for p in prompts])
+                                      launch.RETURN_TOKEN_IDS_FIELD: True} for p in prompts])
         gen_s = time.monotonic() - t
         stats = server.stats() if not dense else None
         _say(f"    {len(prompts)} concurrent requests ({', '.join(str(len(p)) for p in prompts)} prompt tokens, "
@@ -191,20 +192,15 @@ def _serve_and_generate(ckpt: Path, prompts: list[list[int]], log_path: Path, ar
     code = server.returncode
     if code not in (0, -15):
         _say(f"    warning: server exit status {code}")
-    tokens = [_token_ids(o) for o in outs]
+    try:
+        tokens = [launch.completion_token_ids(o["choices"][0]) for o in outs]
+    except CompatError as exc:
+        raise CliError(str(exc)) from None
     result: dict[str, Any] = {"tokens": tokens, "install": install, "generate_s": gen_s, "exit_status": code}
     if stats is not None:
         result["stats"] = {p: phase_totals(stats, p) for p in PHASES}
         result["layers"] = [(s["layers_installed"], s["layers_total"]) for s in stats]
     return result
-
-
-def _token_ids(response: dict) -> list[int]:
-    choice = response["choices"][0]
-    ids = choice.get("token_ids")
-    if ids is None:  # older servers: fall back to the text (agreement is then per character)
-        return list(choice["text"])
-    return list(ids)
 
 
 # --------------------------------------------------------------------------- report

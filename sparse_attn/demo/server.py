@@ -7,7 +7,7 @@ Used by ``sparse-attn demo`` and the HTTP engine tests. Stdlib only (no
         server.wait_ready(timeout=300)
         out = server.complete("Once upon a time", max_tokens=8)
         outs = server.complete_many([{"prompt": p, "max_tokens": 16} for p in prompts])
-        stats = server.stats()            # one dict per worker (POST /collective_rpc)
+        stats = server.stats()            # one snapshot per worker (the server's RPC route)
     # leaving the block: SIGTERM, then SIGKILL of the process group after a timeout
 
 The server runs as its own process group (``start_new_session``), with its
@@ -31,13 +31,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from compat.launch import SERVER_RPC_ROUTE
-from sparse_attn.plugin import STATS_RPC
+from compat import launch
+from sparse_attn.protocol import STATS_RPC, phase_totals
 
-__all__ = ["ServerError", "ServeProcess", "free_port", "log_tail"]
+__all__ = ["ServerError", "ServeProcess", "free_port", "log_tail", "phase_totals"]
 
 LOOPBACK = "127.0.0.1"
-STATS_METHOD = STATS_RPC
 
 
 class ServerError(RuntimeError):
@@ -62,10 +61,10 @@ def log_tail(path: str | os.PathLike, lines: int = 40) -> str:
 class ServeProcess:
     """``python -m sparse_attn serve CKPT --host 127.0.0.1 --port P ...`` as a managed subprocess.
 
-    ``vllm_args`` are appended to the command. ``kv_cache_gib`` sets
-    ``VLLM_CPU_KVCACHE_SPACE`` unless the environment already has it or
-    ``--kv-cache-memory-bytes`` is passed. ``dev_mode`` sets ``VLLM_SERVER_DEV_MODE=1``
-    (needed for ``/collective_rpc`` and so for :meth:`stats`).
+    ``vllm_args`` are appended to the command. ``kv_cache_gib`` sizes vllm-cpu's KV
+    cache unless the environment or ``vllm_args`` already do; ``dev_mode`` enables
+    the server's dev routes (needed for :meth:`stats`). The flag and variable names
+    are ``compat.launch`` facts. ``prefix_caching``/``seed``: ``None`` keeps vLLM's default.
     """
 
     def __init__(
@@ -82,6 +81,8 @@ class ServeProcess:
         kv_cache_gib: int = 1,
         dev_mode: bool = True,
         served_model_name: str | None = None,
+        prefix_caching: bool | None = None,
+        seed: int | None = None,
     ):
         if host not in (LOOPBACK, "localhost", "::1"):
             raise ValueError(f"the harness serves on loopback only, got host {host!r}")
@@ -90,17 +91,11 @@ class ServeProcess:
         self.host = host
         self.port = port or free_port(host)
         self.model = served_model_name or self.checkpoint
-        args = ["--host", host, "--port", str(self.port), "--dtype", dtype, "--enforce-eager"]
-        if max_model_len:
-            args += ["--max-model-len", str(max_model_len)]
-        if served_model_name:
-            args += ["--served-model-name", served_model_name]
+        args = launch.server_args(host=host, port=self.port, dtype=dtype, max_model_len=max_model_len,
+                                  served_model_name=served_model_name, prefix_caching=prefix_caching, seed=seed)
         self.command = [sys.executable, "-m", "sparse_attn", "serve", self.checkpoint, *args, *vllm_args]
-        self.env = dict(os.environ if env is None else env)
-        if "VLLM_CPU_KVCACHE_SPACE" not in self.env and not any(a.startswith("--kv-cache-memory") for a in vllm_args):
-            self.env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
-        if dev_mode:
-            self.env["VLLM_SERVER_DEV_MODE"] = "1"
+        self.env = launch.server_env(os.environ if env is None else env, extra_args=vllm_args, kv_cache_gib=kv_cache_gib,
+                                     dev_mode=dev_mode)
         self.proc: subprocess.Popen | None = None
         self.returncode: int | None = None
         self._log = None
@@ -245,16 +240,11 @@ class ServeProcess:
             return [f.result() for f in futures]
 
     def stats(self, reset: bool = False) -> list[dict]:
-        """The plugin's per-worker counters (``sparse_attn_stats`` through ``POST /collective_rpc``,
-        needs ``dev_mode``); integers, sum them across workers before taking ratios."""
-        body: dict[str, Any] = {"method": STATS_METHOD}
+        """The plugin's per-worker snapshots (``protocol.STATS_RPC`` through the server's RPC
+        route, needs ``dev_mode``); integers, sum them across workers before taking ratios."""
+        body: dict[str, Any] = {"method": STATS_RPC}
         if reset:
             body["kwargs"] = {"reset": True}
-        out = self.request("POST", SERVER_RPC_ROUTE, body, timeout=60)
+        out = self.request("POST", launch.SERVER_RPC_ROUTE, body, timeout=60)
         return list((out or {}).get("results", []))
 
-
-def phase_totals(stats: Sequence[Mapping[str, Any]], phase: str) -> dict[str, int]:
-    """Sum one phase's integer counters over workers."""
-    keys = ("skipped", "visited", "launches", "native_launches", "dense_launches")
-    return {k: sum(int(s["phases"][phase][k]) for s in stats) for k in keys}

@@ -17,29 +17,43 @@ diagonal are neither visited nor counted.
 
 KV *splits*: the KV axis is also cut into splits of ``split_k`` consecutive positions
 (default :data:`SPLIT_K`, a multiple of ``TILE_K``), aligned to KV position 0, so split
-``j`` holds KV tiles ``j * split_k / TILE_K ..`` up to the next split.  ``split_k`` is a
-constant of the rule, independent of batch size, phase and GPU: split-KV decode
+``j`` holds KV tiles ``t0(j) = j * split_k / TILE_K ..`` up to the next split.  ``split_k``
+is a constant of the rule, independent of batch size, phase and GPU: split-KV decode
 (flash-decoding) processes each split in its own program and merges the partial
 softmaxes by log-sum-exp, and every other path (prefill, the torch implementation,
 counting mode) applies the same split boundaries to the skip test even when it does not
-launch splits.  For visited KV tile ``t`` of split ``j`` (first tile ``t0(j)``) and
-valid row ``r``:
+launch splits.  For visited KV tile ``t`` of split ``j`` and valid row ``r``:
 
     tile_max[r, t] = max over visible columns c of tile t of  scale * q_r . k_c    (-inf if none)
-    m_before[r, t] = max(tile_max[r, t0(j)], ..., tile_max[r, t-1])
-                     (dense running max; it RESTARTS at -inf at every split boundary)
+    m_before[r, t] = max(tile_max[r, 0], ..., tile_max[r, t-1])                     if j = 0
+                     max(tile_max[r, 0], tile_max[r, t0(j)], ..., tile_max[r, t-1])  if j > 0
+                     (dense running max; at every split boundary after the first it
+                     RESTARTS from KV tile 0's maxima, the SEED, instead of carrying the
+                     tiles of earlier splits)
     ratio[t]       = max over valid rows r of exp(tile_max[r, t] - m_before[r, t])
 
-and the tile is *skippable under lambda* iff ``t != t0(j)`` (the first tile of every
-split, tile 0 included, is never skippable) and ``ratio[t] < lambda``.  Serving mode with
-threshold ``lambda`` leaves skippable tiles out of the softmax (no exp, no V read, no
-P.V), so the output is the softmax over all visited positions restricted to the
-non-skipped tiles (splits are an evaluation order only: the log-sum-exp merge makes the
-result the same single softmax).  The running max is the dense one in both modes: a
-skipped tile's scores are still known (its Q.K^T is needed for the test), so
-``m_before`` never depends on earlier decisions, and calibration counts taken in
-counting mode are exactly the serving-mode skip counts, for any ``split_k`` as long as
-both modes use the same one.  ``lambda = 0`` never skips (``exp(.) >= 0``).
+and the tile is *skippable under lambda* iff ``t != 0`` (KV tile 0, the attention-sink
+tile, is never skippable; the first tile of a later split is tested against the seed
+like any other) and ``ratio[t] < lambda``.  Tile 0 holds position 0, which every row
+sees, so ``tile_max[r, 0]`` is finite and every ``m_before`` of a tile ``t > 0`` is.
+Seeding keeps each split independent of the other splits (a split program needs only
+its own tiles plus tile 0) while every tile is still compared with the attention-sink
+tokens at the start of the sequence, which often hold a query's largest scores; a full
+restart at -inf compared a later split's tiles with a local maximum only and, measured,
+needed 3-400x larger lambdas for the same sparsity with 2-5x the mean error, where the
+seed matches the no-split rule on decodes (benchmarks/RESULTS-kernels.md).  Cost: a
+split-KV decode program of a split ``j > 0`` reads K tile 0 and computes its Q.K^T once
+more (one extra K tile per split program, ``TILE_K / split_k`` of the K reads).
+
+Serving mode with threshold ``lambda`` leaves skippable tiles out of the softmax (no
+exp, no V read, no P.V), so the output is the softmax over all visited positions
+restricted to the non-skipped tiles (splits are an evaluation order only: the
+log-sum-exp merge makes the result the same single softmax).  The running max is the
+dense one in both modes: a skipped tile's scores are still known (its Q.K^T is needed
+for the test), so ``m_before`` never depends on earlier decisions, and calibration
+counts taken in counting mode are exactly the serving-mode skip counts, for any
+``split_k`` as long as both modes use the same one.  ``lambda = 0`` never skips
+(``exp(.) >= 0``).
 
 The skip decision is per query head: a kernel that packs the query heads of a KV group
 into one program (reading each K/V tile once) still tests each head's rows on their own,
@@ -58,10 +72,19 @@ import torch
 TILE_Q = 64
 #: KV positions per KV tile.
 TILE_K = 64
-#: KV positions per split of the skip rule (the dense running max restarts at each split;
-#: split-KV decode launches one program per split).  1024 = 16 tiles: a 32k-token decode
-#: of one sequence with 8 KV heads is 256 programs, enough to fill a 132-SM GPU, while at
-#: most 1 tile in 16 is unskippable because it opens a split.
+#: KV positions per split of the skip rule (each split's dense running max restarts from
+#: KV tile 0's maxima; split-KV decode launches one program per split).  Why 1024 (16
+#: tiles), with the seeded rule: a batch-1 32k-token decode with 8 KV heads is
+#: 8 * 32768 / 1024 = 256 programs on a 132-SM GPU (H100/H200), ~2 per SM, so every SM
+#: has work and a second program to hide memory latency; 2048 would be 128 programs and
+#: leave 4 SMs idle with nothing to overlap.  The seed costs every split program after the
+#: first one extra K tile (tile 0) and its Q.K^T: 1/16 of the K reads at 1024, 1/8 at 512
+#: (which would only add programs beyond the ~2 per SM that already fill the GPU, and
+#: double the fp32 split partials [S, splits, Hq, D] a captured graph keeps).  With the
+#: seed, the split length barely trades accuracy any more (benchmarks/RESULTS-kernels.md,
+#: CPU): decodes need the no-split rule's lambdas and have its error at equal sparsity;
+#: a 16k-KV prefill chunk needs a 1.6x larger lambda for 75 % with 1.2x the mean error,
+#: and 512 is no better there.  So the choice is parallelism against the extra tile.
 SPLIT_K = 1024
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

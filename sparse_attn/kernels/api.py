@@ -146,8 +146,9 @@ def paged_attention(
         impl: ``"auto"`` (Triton for CUDA tensors, torch otherwise), ``"torch"``, ``"triton"``.
         return_counts: also return per-head tile counts.
         split_k: KV positions per split of the skip rule (``None`` = ``SPLIT_K``; a
-            multiple of ``TILE_K``).  The dense running max restarts at every split, so
-            counts depend on it: calibrate with the value you serve with.
+            multiple of ``TILE_K``).  The dense running max restarts from KV tile 0's
+            maxima at every split after the first, so counts depend on it: calibrate
+            with the value you serve with.
         max_query_len: host int, an upper bound on every sequence's query length; only
             read with ``check=False`` (default: the number of query tokens).  1 selects
             the split-KV decode launch.

@@ -83,13 +83,14 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Fill ``out`` [T, Hq, D] and return ``(out, skipped, visited)``.
 
-    ``split_k`` (KV positions, a multiple of ``TILE_K``) is the rule's split length: the
-    dense running max restarts at every split boundary.
+    ``split_k`` (KV positions, a multiple of ``TILE_K``) is the rule's split length: at
+    every split boundary after the first the dense running max restarts from KV tile 0's
+    maxima.
 
     ``threshold`` is the lambda applied (0 = dense): a float, or a float32 ``[S]`` tensor
     with one lambda per sequence.  With ``count_thresholds`` (float32 ``[n, S]``: candidate
-    ``j``'s lambda for sequence ``s``), ``skipped`` is int64 ``[n, Hq]``: visited non-first
-    tiles with ``ratio < lambda_j``; ``visited`` is int64 ``[Hq]``.  Both are ``None``
+    ``j``'s lambda for sequence ``s``), ``skipped`` is int64 ``[n, Hq]``: visited KV tiles other
+    than tile 0 with ``ratio < lambda_j``; ``visited`` is int64 ``[Hq]``.  Both are ``None``
     otherwise.
     """
     hq = meta.num_q_heads
@@ -231,7 +232,8 @@ def _run_group(query, key_cache, value_cache, bt, meta, seqs, rows, scale, causa
     (``rows <= TILE_Q``; ``nq > 1`` only for a single-sequence group).  Per-row state is
     ``[Hkv, B, M]`` with ``M = nq * g * rows`` rows in (query tile, head-in-group, row)
     order, so one KV head's rows of a sequence are one contiguous matrix.  ``tps``: KV
-    tiles per split of the skip rule (the dense running max restarts at each split).
+    tiles per split of the skip rule (the dense running max restarts from KV tile 0's
+    maxima at each later split).
     """
     hkv, g, d, page = meta.num_kv_heads, meta.group, meta.head_dim, meta.page_size
     seqs = sorted(seqs, key=lambda s: -meta.seq_lens[s])  # active sequences form a prefix
@@ -269,6 +271,7 @@ def _run_group(query, key_cache, value_cache, bt, meta, seqs, rows, scale, causa
     q = query[tok].float().mul_(scale)                                           # [B, nq*rows, Hq, D]
     q = q.view(b_all, nq, rows, hkv, g, d).permute(3, 0, 1, 4, 2, 5).reshape(hkv, b_all, -1, d)
     m_dense = torch.full(q.shape[:3], float("-inf"))
+    m_seed = None                      # KV tile 0's maxima [Hkv, B, M], set by the first chunk
     m_ref = torch.full(q.shape[:3], float("-inf"))
     l_sum = torch.zeros(q.shape[:3])
     acc = torch.zeros(q.shape)
@@ -312,15 +315,19 @@ def _run_group(query, key_cache, value_cache, bt, meta, seqs, rows, scale, causa
         skip_any = False
         if test:
             tile_max = s.view(hkv, b, m_rows, c, TILE_K).amax(-1)               # [Hkv, b, M, c]
+            if m_seed is None:
+                # The first chunk starts at tile 0 and holds every row of every sequence
+                # (all of them visit tile 0), so its first tile maxima are the full seed.
+                m_seed = tile_max[..., 0].clone()
             md = m_dense[:, :b, row_lo:]
-            m_before, m_after = _split_cummax(tile_max, md, t0, tps)
+            m_before, m_after = _split_cummax(tile_max, md, m_seed[:, :b, row_lo:], t0, tps)
             chunk_max = tile_max.amax(-1)
             md.copy_(m_after)
             ratio = torch.exp(tile_max - m_before)
             ratio = torch.where(valid_rows[:b, row_lo:, None], ratio, 0.0)
             ratio = ratio.view(hkv, b, nqa, g, rows, c).amax(4)                  # [Hkv, b, nqa, g, c]
             vis = tiles <= last_tile[:b, qt_lo:, None]                           # [b, nqa, c]
-            countable = (vis & (tiles % tps != 0)).view(1, b, nqa, 1, c)   # split openers never skip
+            countable = (vis & (tiles != 0)).view(1, b, nqa, 1, c)   # KV tile 0 never skips
             visited += vis.sum()
             if lams is not None:
                 r_c = torch.where(countable, ratio, float("inf"))
@@ -367,27 +374,38 @@ def _run_group(query, key_cache, value_cache, bt, meta, seqs, rows, scale, causa
     return visited
 
 
-def _split_cummax(tile_max, md, t0, tps):
-    """Dense running max of the rule, restarting at every split boundary.
+def _split_cummax(tile_max, md, seed, t0, tps):
+    """Dense running max of the rule: within a split, seeded with KV tile 0's maxima at
+    every split boundary after the first.
 
     ``tile_max`` [..., c] holds KV tiles ``t0 .. t0+c-1``; ``md`` [...] is the running max
-    carried in from the tiles before ``t0`` of ``t0``'s split.  Returns ``(m_before
-    [..., c], m_after [...])``: the exclusive running max of each tile within its split and
-    the running max after the chunk's last tile (to carry into the next chunk).
+    carried in from the tiles before ``t0`` (of ``t0``'s split, seed included); ``seed``
+    [...] is tile 0's maxima.  Returns ``(m_before [..., c], m_after [...])``: each tile's
+    exclusive running max and the running max after the chunk's last tile (to carry into
+    the next chunk).  ``m_before`` of tile 0 is -inf (tile 0 is never skippable).
     """
     c = tile_max.shape[-1]
     p = t0 % tps
     if p + c <= tps:  # the chunk stays inside one split (no boundary except maybe at t0)
-        init = md.unsqueeze(-1) if p else torch.full_like(md, float("-inf")).unsqueeze(-1)
-        cm = torch.cat([init, tile_max], -1).cummax(-1).values
+        if p:
+            init = md
+        elif t0:
+            init = seed
+        else:
+            init = torch.full_like(md, float("-inf"))
+        cm = torch.cat([init.unsqueeze(-1), tile_max], -1).cummax(-1).values
         return cm[..., :-1], cm[..., -1]
     n_seg = -(-(p + c) // tps)
     lead = tile_max.shape[:-1]
     padded = tile_max.new_full(lead + (n_seg * tps,), float("-inf"))
     padded[..., p:p + c] = tile_max
-    init = tile_max.new_full(lead + (n_seg, 1), float("-inf"))
+    # Segment k opens split (t0 - p) / tps + k: tile 0's split starts at -inf, a later one
+    # from the seed; a chunk starting inside a split carries md into its first segment.
+    init = seed.unsqueeze(-1).unsqueeze(-1).expand(lead + (n_seg, 1)).clone()
     if p:
         init[..., 0, 0] = md
+    elif t0 == 0:
+        init[..., 0, 0] = float("-inf")
     cm = torch.cat([init, padded.view(lead + (n_seg, tps))], -1).cummax(-1).values   # [..., n_seg, tps+1]
     m_before = cm[..., :-1].flatten(-2)[..., p:p + c]
     end = p + c - 1

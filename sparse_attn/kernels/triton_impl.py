@@ -13,15 +13,18 @@ and a V tile is read when any head of the program keeps it (heads that skip it g
 - *decode* (every query length <= 1): split-KV (flash-decoding).  Each sequence's KV is
   cut into the rule's splits of ``split_k`` positions; one program per split writes an
   unnormalised partial (accumulator, exp reference, row sum) and a second kernel merges
-  the splits by log-sum-exp.  The dense running max restarts at each split, exactly as
-  the rule says, so counts are unchanged by the split launch.
-- *prefill* (anything else): no split launch; the program walks all its KV tiles and
-  only restarts the dense running max at split boundaries.
+  the splits by log-sum-exp.  The dense running max of a split after the first starts
+  from KV tile 0's maxima, exactly as the rule says, so that program reads K tile 0 and
+  computes its Q.K^T once before its own tiles (one extra K tile per split program);
+  counts are unchanged by the split launch.
+- *prefill* (anything else): no split launch; the program walks all its KV tiles, keeps
+  tile 0's maxima, and resets the dense running max to them at every later split
+  boundary.
 
-Two running maxima per row: the dense one (updated on every visited tile, restarted at
-split boundaries, drives the skip test) and the exp reference (updated on computed tiles
-only).  Lambdas are read from per-sequence fp32 arrays (``lam[seq]`` for serving,
-``THRESH[seq, :]`` for counting), so changing them never recompiles.
+Two running maxima per row: the dense one (updated on every visited tile, reset to tile
+0's maxima at split boundaries, drives the skip test) and the exp reference (updated on
+computed tiles only).  Lambdas are read from per-sequence fp32 arrays (``lam[seq]`` for
+serving, ``THRESH[seq, :]`` for counting), so changing them never recompiles.
 
 Capture safety
 --------------
@@ -171,6 +174,24 @@ def _paged_attn_kernel(
         thresh = tl.load(THRESH + seq * BLOCK_T + offs_t, mask=offs_t < num_thresh, other=-1.0)
     skip_cnt = tl.zeros([HPP, BLOCK_T], tl.int32)
 
+    # Tile 0's maxima seed the dense running max of every later split (the rule).  A split
+    # program of split > 0 computes them first: one extra K tile read and Q.K^T.
+    m_seed = tl.full([R], float("-inf"), tl.float32)
+    if t_lo > 0:
+        if t_lo < t_hi:
+            cols0 = tl.arange(0, BLOCK_N)
+            col0_ok = cols0 < kv_len
+            blk0 = tl.load(BT + seq * stride_bts + (cols0 // page_size) * stride_btb, mask=col0_ok,
+                           other=0).to(tl.int64)
+            k0 = tl.load(K + (blk0 * stride_kb + (cols0 % page_size) * stride_kp)[None, :] + kv_head * stride_kh
+                         + offs_d[:, None] * stride_kd, mask=col0_ok[None, :] & d_ok[:, None], other=0.0)
+            if FP32_DOT:
+                s0 = tl.dot(q.to(tl.float32), k0.to(tl.float32), input_precision="ieee") * scale
+            else:
+                s0 = tl.dot(q, k0) * scale
+            s0 = tl.where(col0_ok[None, :] & (cols0[None, :] <= limit[:, None]), s0, float("-inf"))
+            m_seed = tl.max(s0, 1)
+
     for t in range(t_lo, t_hi):
         cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < kv_len
@@ -185,13 +206,13 @@ def _paged_attn_kernel(
         visible = col_ok[None, :] & (cols[None, :] <= limit[:, None])
         s = tl.where(visible, s, float("-inf"))
         tile_max = tl.max(s, 1)
-        # The rule's dense running max restarts at every split boundary; the first tile
-        # of a split is never skippable (+inf also hides the -inf - -inf NaN there).
-        first = (t % tiles_per_split) == 0
-        m_dense = tl.where(first, float("-inf"), m_dense)
+        m_seed = tl.where(t == 0, tile_max, m_seed)
+        # The rule's dense running max restarts from tile 0's maxima at every later split
+        # boundary; only tile 0 is never skippable (+inf also hides its -inf - -inf NaN).
+        m_dense = tl.where((t % tiles_per_split) == 0, m_seed, m_dense)
         ratio = tl.where(row_ok, tl.exp(tile_max - m_dense), 0.0)
         ratio_h = tl.max(tl.where(same_head, ratio[None, :], 0.0), 1)             # [HPP]
-        ratio_h = tl.where(first, float("inf"), ratio_h)
+        ratio_h = tl.where(t == 0, float("inf"), ratio_h)
         m_dense = tl.maximum(m_dense, tile_max)
         if COUNT:
             skip_cnt += ((ratio_h[:, None] < thresh[None, :]) & hh_ok[:, None]).to(tl.int32)

@@ -45,15 +45,48 @@ class KVCacheTensor:
     offset: int = 0
 
 def create_kv_cache_views(raw, spec, num_blocks, layout, kv_cache_tensor, kernel_block_size=None):
-    shape = (num_blocks, spec.num_kv_heads, spec.block_size, 2 * spec.head_size * spec.dtype.itemsize)
-    return [raw[: num_blocks * spec.page_size_bytes].view(shape).view(spec.dtype)]
+    # As vLLM 0.29+: one logical [B, H, N, C] view per layer, its page interior
+    # ordered by ``layout`` (layer_view_order = physical order of B, H, N, C).
+    logical = (num_blocks, spec.num_kv_heads, spec.block_size, 2 * spec.head_size)
+    order = tuple(i - 1 for i in layout.value if i != 0)
+    physical = tuple(logical[i] for i in order)
+    flat = raw[: num_blocks * spec.page_size_bytes].view(spec.dtype)
+    return [flat.view(physical).permute(*(order.index(i) for i in range(4)))]
+'''
+
+
+KV_CACHE_LAYOUT = '''
+import enum
+
+class KVCacheLayout(enum.Enum):
+    LBHNC = (0, 1, 2, 3, 4)
+    LBNHC = (0, 1, 3, 2, 4)
+    LHBNC = (0, 2, 1, 3, 4)
+    BLHNC = (1, 0, 2, 3, 4)
+    BLNHC = (1, 0, 3, 2, 4)
+    BHLNC = (1, 2, 0, 3, 4)
+'''
+
+# vLLM 0.29+ v1/attention/backends/utils.py: the per-backend candidates the
+# engine core resolves from (the real one also merges several backends).
+RESOLVER = '''
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+_DEFAULT_LAYOUT_PREFERENCE = (KVCacheLayout.LBNHC, KVCacheLayout.LBHNC, KVCacheLayout.BLNHC,
+                              KVCacheLayout.BLHNC, KVCacheLayout.BHLNC, KVCacheLayout.LHBNC)
+
+def get_supported_kv_cache_layouts(backends):
+    lists = [l for b in backends if (l := b.supported_kv_cache_layouts()) is not None] or [_DEFAULT_LAYOUT_PREFERENCE]
+    return list(lists[0])
 '''
 
 
 def write_stub(root: Path, *, version: str = "0.25.1", distribution: str = "vllm", backends: dict[str, dict] | None = None,
                view_construction: bool = False, registry: bool = True) -> Path:
     """Create ``root/vllm`` and its dist-info. ``backends[name]`` keys: ``shape`` (a SHAPES key or
-    None for no method), ``flag`` (forward_includes_kv_cache_update, or None to omit it), ``import_error``."""
+    None for no method), ``flag`` (forward_includes_kv_cache_update, or None to omit it), ``import_error``,
+    ``layouts`` (0.29+ ``supported_kv_cache_layouts()``: a tuple of KVCacheLayout names, ``None`` for the
+    base class's ``None``, or ``"absent"`` for no method; default ``None``)."""
     pkg = root / "vllm"
     (pkg / "v1" / "attention" / "backends").mkdir(parents=True)
     (pkg / "__init__.py").write_text(f"__version__ = {version!r}\n")
@@ -77,6 +110,11 @@ def write_stub(root: Path, *, version: str = "0.25.1", distribution: str = "vllm
             if spec.get("shape"):
                 body += ["    @staticmethod", "    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str='auto'):",
                          f"        {SHAPES[spec['shape']]}"]
+            layouts = spec.get("layouts")
+            if view_construction and layouts != "absent":
+                ret = "None" if layouts is None else "(" + "".join(f"KVCacheLayout.{n}, " for n in layouts) + ")"
+                body = ["from vllm.v1.kv_cache_layout import KVCacheLayout", *body, "    @classmethod",
+                        "    def supported_kv_cache_layouts(cls):", f"        return {ret}"]
             body.append("    pass")
         (pkg / "v1" / "attention" / "backends" / f"{module}.py").write_text("\n".join(body) + "\n")
     if registry:
@@ -91,5 +129,6 @@ def write_stub(root: Path, *, version: str = "0.25.1", distribution: str = "vllm
             ''').format(members="\n".join(members) or "    NONE = 'x.y'"))
     if view_construction:
         (pkg / "v1" / "kv_cache_interface.py").write_text(VIEW_CONSTRUCTION)
-        (pkg / "v1" / "kv_cache_layout.py").write_text("import enum\nclass KVCacheLayout(enum.Enum):\n    LBHNC = (0, 1, 2, 3, 4)\n    LBNHC = (0, 1, 3, 2, 4)\n")
+        (pkg / "v1" / "kv_cache_layout.py").write_text(KV_CACHE_LAYOUT)
+        (pkg / "v1" / "attention" / "backends" / "utils.py").write_text(RESOLVER)
     return root

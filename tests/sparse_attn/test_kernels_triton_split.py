@@ -82,17 +82,23 @@ def test_triton_split_gqa_matches_float64_reference(case, dtype):
 
 
 def test_triton_split_boundaries_are_in_the_counts():
-    """Triton counts follow the split rule: a long decode skips fewer tiles with splits
-    (openers never skip) than with one split spanning it, and each equals the reference."""
-    batch = add_sink(make_batch([1100], [1], 4, 1, 16, 16, seed=5))
+    """Triton counts follow the split rule: a long decode skips no more tiles per head, and
+    fewer in total, with splits (a later split's running max holds tile 0 and its own tiles only) than with one split
+    spanning it, the first tile of a later split is skippable against tile 0's maxima
+    (split_k = TILE_K: every tile opens a split), and each count equals the reference."""
+    batch = add_sink(make_batch([1100], [1], 4, 1, 16, 16, seed=5), strength=1.0)   # a weak sink: splits matter
     ref_split = reference(*batch, 1.0, lam=0.5, split_k=256)[1]
     ref_one = reference(*batch, 1.0, lam=0.5, split_k=2048)[1]
     _, sk_split, _ = paged_attention(*batch, scale=1.0, threshold=0.5, return_counts=True, impl="triton",
                                      split_k=256)
     _, sk_one, _ = paged_attention(*batch, scale=1.0, threshold=0.5, return_counts=True, impl="triton",
                                    split_k=2048)
+    _, sk_tile, _ = paged_attention(*batch, scale=1.0, threshold=0.5, return_counts=True, impl="triton",
+                                    split_k=TILE_K)
+    ref_tile = reference(*batch, 1.0, lam=0.5, split_k=TILE_K)[1]
     assert sk_split.tolist() == ref_split.tolist() and sk_one.tolist() == ref_one.tolist()
-    assert (sk_split < sk_one).all()
+    assert sk_tile.tolist() == ref_tile.tolist() and (sk_tile > 0).all()
+    assert (sk_split <= sk_one).all() and int(sk_split.sum()) < int(sk_one.sum())
 
 
 def test_per_sequence_lambda_in_split_decode():

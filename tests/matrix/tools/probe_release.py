@@ -16,6 +16,8 @@ installed with --no-deps next to torch+cpu): nothing is typed in from a table.
 * a real call of ``impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)`` on a
   cache allocated the way the release's worker allocates it, with the native op replaced by a
   recorder: shapes / strides / storage offsets of the K and V cache tensors vLLM passes;
+* the signatures of the impl's ``do_kv_cache_update`` / ``forward``, the metadata builder's ``build``
+  and its ``get_cudagraph_support`` / ``_cudagraph_support`` (``contracts``);
 * where the backend writes the cache inside ``forward`` (``forward_includes_kv_cache_update``
   True: FLASHINFER <= 0.16.0, CPU_ATTN <= 0.23): a real call of ``impl.forward`` with the
   native cache op replaced by a recorder that raises before the attention kernel, so the
@@ -94,6 +96,17 @@ def _describe_arg(v, cache):
             return tensor_info(v, cache)
         return f"tensor{list(v.shape)}:{str(v.dtype).replace('torch.', '')}"
     return _describe(v)
+
+
+def _record_first_call(out: dict, rec, kv_cache, key, value, slots) -> dict:
+    """Describe the first call ``rec`` recorded (the native cache op's arguments) into ``out``."""
+    out["calls"] = len(rec.calls)
+    if rec.calls:
+        args, kwargs = rec.calls[0]
+        out["args"] = [_describe_arg(a, kv_cache) for a in args]
+        out["kwargs"] = {k: _describe_arg(v, kv_cache) for k, v in kwargs.items()}
+        out["args_are_inputs"] = [args[0] is key, args[1] is value, args[4] is slots]
+    return out
 
 
 def versions() -> dict:
@@ -282,6 +295,22 @@ def analyse_update(impl_cls) -> dict:
     return out
 
 
+def forward_cache_ops(impl_cls) -> list[str]:
+    """How the real ``forward`` splits ``kv_cache`` into K and V (AST of its source): every call
+    made on ``kv_cache`` itself, e.g. ``kv_cache.chunk(2, dim=2)``. Where ``forward`` writes the cache
+    (no ``do_kv_cache_update``) this is the only record of the page format the release uses."""
+    src = _source_of(getattr(impl_cls, "forward", None))
+    if src is None:
+        return []
+    out = []
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            base = node.func.value
+            while isinstance(base, (ast.Call, ast.Attribute)):
+                base = base.func if isinstance(base, ast.Call) else base.value
+            if isinstance(base, ast.Name) and base.id == "kv_cache":
+                out.append(ast.unparse(node)[:120])
+    return out
 def analyse_forward_write(impl_cls) -> dict:
     """AST of the real ``forward``: the native cache op it calls and the ``attn_metadata.*`` it reads.
 
@@ -611,13 +640,7 @@ def record_update(name: str, kv_cache, impl, analysis, head_size, num_kv_heads, 
         out["layer_reads"] = sorted(set(layer.reads))
         return out
     out["layer_reads"] = sorted(set(layer.reads))
-    out["calls"] = len(rec.calls)
-    if rec.calls:
-        args, kwargs = rec.calls[0]
-        out["args"] = [_describe_arg(a, kv_cache) for a in args]
-        out["kwargs"] = {k: _describe_arg(v, kv_cache) for k, v in kwargs.items()}
-        out["args_are_inputs"] = [args[0] is key, args[1] is value, args[4] is slot_mapping]
-    return out
+    return _record_first_call(out, rec, kv_cache, key, value, slot_mapping)
 
 
 def allocations(cls, views_present: bool) -> dict:
@@ -663,6 +686,55 @@ def capture_update(name: str, alloc_key: str):
     return kv_cache, args, kwargs, layer
 
 
+def signature_of(fn) -> dict:
+    """Every parameter of ``fn`` in order: ``[text, kind]`` with the default, no annotations."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError) as e:
+        return {"error": _err(e)}
+    return {"params": [[str(p.replace(annotation=inspect.Parameter.empty)), p.kind.name]
+                       for p in sig.parameters.values()]}
+
+
+def _method_facts(cls, attr: str) -> dict:
+    """Signature, defining class and binding (classmethod/staticmethod/function) of ``cls.attr``."""
+    if not hasattr(cls, attr):
+        return {"present": False}
+    owner = next((k for k in cls.__mro__ if attr in k.__dict__), None)
+    raw = owner.__dict__[attr] if owner is not None else None
+    kind = ("classmethod" if isinstance(raw, classmethod) else "staticmethod" if isinstance(raw, staticmethod)
+            else "function" if inspect.isfunction(raw) else type(raw).__name__)
+    return {"present": True, "defined_on": owner.__qualname__ if owner else None, "binding": kind,
+            **signature_of(inspect.getattr_static(cls, attr).__func__ if kind == "classmethod" else getattr(cls, attr))}
+
+
+def contract_facts(cls) -> dict:
+    """The signatures compat relies on (compat/contracts.py) and the ones other code passes through:
+    the impl's ``do_kv_cache_update`` and ``forward``, the metadata builder's ``build`` and its
+    CUDA-graph support (``get_cudagraph_support`` where it exists, else the ``_cudagraph_support``
+    class attribute)."""
+    out: dict[str, Any] = {}
+    try:
+        impl_cls = cls.get_impl_cls()
+        out["impl_do_kv_cache_update"] = _method_facts(impl_cls, "do_kv_cache_update")
+        out["impl_forward"] = _method_facts(impl_cls, "forward")
+    except Exception as e:  # noqa: BLE001
+        out["impl"] = {"error": _err(e)}
+    try:
+        builder = cls.get_builder_cls()
+    except Exception as e:  # noqa: BLE001
+        out["builder"] = {"error": _err(e)}
+        return out
+    out["builder_class"] = f"{builder.__module__}.{builder.__qualname__}"
+    out["builder_build"] = _method_facts(builder, "build")
+    out["builder_get_cudagraph_support"] = _method_facts(builder, "get_cudagraph_support")
+    attr_owner = next((k for k in builder.__mro__ if "_cudagraph_support" in k.__dict__), None)
+    out["builder__cudagraph_support"] = (
+        {"present": False} if attr_owner is None else
+        {"present": True, "defined_on": attr_owner.__qualname__, "value": str(attr_owner.__dict__["_cudagraph_support"])})
+    return out
+
+
 def _forward_inputs(num_kv_heads: int, head_size: int, dtype):
     import torch
 
@@ -704,13 +776,7 @@ def record_forward_write(kv_cache, impl, analysis, head_size, num_kv_heads, dtyp
     out["patched"] = target
     out["layer_reads"] = sorted(set(layer.reads))
     out["metadata_reads"] = sorted(set(meta.reads))
-    out["calls"] = len(rec.calls)
-    if rec.calls:
-        args, kwargs = rec.calls[0]
-        out["args"] = [_describe_arg(a, kv_cache) for a in args]
-        out["kwargs"] = {k: _describe_arg(v, kv_cache) for k, v in kwargs.items()}
-        out["args_are_inputs"] = [args[0] is key, args[1] is value, args[4] is slots]
-    return out
+    return _record_first_call(out, rec, kv_cache, key, value, slots)
 
 
 def fresh_cache(name: str, alloc_key: str):
@@ -777,6 +843,7 @@ def probe_backend(name: str, views_present: bool) -> dict:
     else:
         out["get_required_kv_cache_layout"] = "<absent>"
     out["kv_cache_layouts"] = _layouts_facts(cls)
+    out["contracts"] = contract_facts(cls)
 
     # ---- impl and do_kv_cache_update
     try:
@@ -786,6 +853,7 @@ def probe_backend(name: str, views_present: bool) -> dict:
         return out
     analysis = analyse_update(impl_cls)
     out["do_kv_cache_update"] = analysis
+    out["forward_cache_ops"] = forward_cache_ops(impl_cls)
     hs, nkv = s["head_size"], s["num_kv_heads"]
     try:
         impl, info = build_impl(impl_cls, hs, nkv)

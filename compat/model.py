@@ -1,0 +1,343 @@
+"""The attention layers of a loaded vLLM model and a normalised description of
+each batch they serve.
+
+Attribute and class names here moved between releases (``vllm/attention/layer.py``
+up to 0.15, ``vllm/model_executor/layers/attention/attention.py`` from 0.18;
+per-backend metadata classes with different field names), so ``sparse_attn``
+asks these questions here and never looks at vLLM objects itself:
+
+* ``attention_layers(model)`` -> ``(layer, LayerInfo)`` pairs, with the features
+  the sparse kernel cannot serve already listed in ``LayerInfo.unsupported``;
+* ``prepare_layer(layer, info)`` -> the ``LayerInfo`` to install with, after
+  attaching batch capture where the backend needs it (or the reason it cannot);
+* ``describe_batch(attn_metadata)`` -> ``BatchDescription``, which also holds
+  the one rule deciding the phase of each sequence.
+
+vLLM is imported lazily, only when a layer is inspected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from compat import graphs
+from compat.errors import CompatError
+
+logger = logging.getLogger("compat")
+
+#: The decoder ``Attention`` layer class, newest location first.
+ATTENTION_CLASS_PATHS: tuple[str, ...] = (
+    "vllm.model_executor.layers.attention.attention:Attention",
+    "vllm.attention.layer:Attention",
+)
+#: Backends whose metadata lacks the per-request fields (``query_start_loc``,
+#: ``seq_lens``, ``block_table``...): FlashInfer's metadata (0.18-0.33) keeps only
+#: its planned wrappers, so the backend-independent ``CommonAttentionMetadata``
+#: its builder receives is captured (``capture_batches``). FLASH_ATTN and
+#: CPU_ATTN carry the fields on their own metadata.
+BATCH_CAPTURE_BACKENDS: frozenset[str] = frozenset({"FLASHINFER"})
+
+
+def _import(path: str) -> Any:
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """What the sparse path needs to know about one attention layer.
+
+    ``unsupported`` lists the features the skip-softmax kernel does not serve
+    (empty when it can take the layer); ``owner_class`` is the class of the
+    module holding the layer (e.g. ``LlamaAttention``), which checkpoint
+    ``targets`` name. ``needs_batch_capture``: the backend's metadata lacks the
+    per-request fields, so ``prepare_layer`` must capture its builder's input.
+    """
+
+    name: str
+    owner_class: str
+    backend: str
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    scale: float
+    kv_cache_dtype: str
+    cpu_isa: str | None
+    unsupported: tuple[str, ...]
+    needs_batch_capture: bool = False
+
+
+def attention_layers(model: torch.nn.Module) -> Iterator[tuple[Any, LayerInfo]]:
+    """Every vLLM ``Attention`` layer of ``model`` with its normalised description."""
+    classes, errors = [], []
+    for path in ATTENTION_CLASS_PATHS:
+        try:
+            classes.append(_import(path))
+        except (ImportError, AttributeError) as exc:  # releases have one of these locations
+            errors.append(f"{path}: {type(exc).__name__}: {exc}")
+    if not classes:
+        raise CompatError(
+            "no vLLM Attention layer class found", observed="; ".join(errors),
+            expected=f"one of {', '.join(ATTENTION_CLASS_PATHS)}", fix="pin a vLLM release listed in README.md",
+        )
+    classes_t = tuple(classes)
+    owners = {}
+    for name, module in model.named_modules():
+        for child_name, child in module.named_children():
+            owners[f"{name}.{child_name}" if name else child_name] = type(module).__name__
+    for name, module in model.named_modules():
+        if isinstance(module, classes_t):
+            yield module, describe_layer(module, name, owners.get(name, ""))
+
+
+def describe_layer(layer: Any, name: str, owner_class: str = "") -> LayerInfo:
+    """The ``LayerInfo`` of one attention layer (its ``impl`` and ``attn_backend``)."""
+    impl = layer.impl
+    backend = layer.attn_backend.get_name() if getattr(layer, "attn_backend", None) is not None else type(impl).__name__
+    unsupported = []
+    # Each backend spells "no window / no soft-cap" its own way (None, -1, (-1, -1), 0).
+    window = getattr(impl, "sliding_window", None)
+    if window not in (None, -1, (-1, -1), 0):
+        unsupported.append(f"sliding window {window}")
+    if getattr(impl, "alibi_slopes", None) is not None:
+        unsupported.append("ALiBi")
+    soft_cap = getattr(impl, "logits_soft_cap", None)
+    if soft_cap not in (None, 0, 0.0):
+        unsupported.append(f"logits soft-cap {soft_cap}")
+    if getattr(impl, "sinks", None) is not None:
+        unsupported.append("attention sinks parameter")
+    if getattr(impl, "kv_sharing_target_layer_name", None) or getattr(layer, "kv_sharing_target_layer_name", None):
+        unsupported.append("KV sharing")
+    kv_cache_dtype = str(getattr(impl, "kv_cache_dtype", "auto"))
+    if kv_cache_dtype not in ("auto", "bfloat16", "float16", "float32", "half", "float"):
+        unsupported.append(f"quantised KV cache ({kv_cache_dtype})")
+    attn_type = str(getattr(impl, "attn_type", getattr(layer, "attn_type", "decoder"))).lower()
+    if "decoder" not in attn_type or "encoder" in attn_type:
+        unsupported.append(f"attention type {attn_type}")
+    if "MLA" in backend or getattr(layer, "use_mla", False):
+        unsupported.append("MLA")
+    return LayerInfo(
+        name=name,
+        owner_class=owner_class,
+        backend=backend,
+        num_heads=int(impl.num_heads),
+        num_kv_heads=int(impl.num_kv_heads),
+        head_size=int(impl.head_size),
+        scale=float(impl.scale),
+        kv_cache_dtype=kv_cache_dtype,
+        cpu_isa=layer_cpu_isa(layer),
+        unsupported=tuple(unsupported),
+        needs_batch_capture=backend in BATCH_CAPTURE_BACKENDS,
+    )
+
+
+def layer_cpu_isa(layer: Any) -> str | None:
+    """The CPU attention ISA of ``layer``'s cache pages, or ``None`` if not yet chosen.
+
+    0.28 keeps it on the impl (``impl.isa``, set in its ``__init__``); from 0.32
+    the metadata builder sets ``layer.isa`` when the KV cache is initialised.
+    """
+    isa = getattr(layer, "isa", None)
+    return isa if isa is not None else getattr(layer.impl, "isa", None)
+
+
+def prepare_layer(layer: Any, info: LayerInfo) -> LayerInfo:
+    """Prepare ``layer`` to be served sparse; returns ``info``, or a copy whose
+    ``unsupported`` says why it must stay native (then no launch fails in the
+    middle of serving).
+
+    Two things happen here, once per backend class (both are idempotent):
+
+    * its metadata builder declares at most ``compat.graphs.SPARSE_LEVEL`` of
+      CUDA-graph support (``compat.graphs.restrict_cudagraph_support``), so vLLM
+      never captures a sparse prefill or mixed batch, whose launch reads batch
+      metadata on the host. vLLM resolves the mode from every backend's answer in
+      ``initialize_kv_cache``, after the ``load_model`` hook that calls this;
+    * where the backend keeps batch fields only in the common metadata its builder
+      receives (``needs_batch_capture``), the builder is made to keep them.
+    """
+    backend_cls = getattr(layer, "attn_backend", None)
+    if info.needs_batch_capture:
+        reason = capture_batches(backend_cls)
+        if reason is not None:
+            return dataclasses.replace(info, unsupported=(*info.unsupported, f"batch capture: {reason}"))
+    if backend_cls is not None:
+        try:
+            graphs.restrict_cudagraph_support(backend_cls)
+        except Exception as exc:  # noqa: BLE001 - the layer stays native, with the reason
+            return dataclasses.replace(
+                info, unsupported=(*info.unsupported, f"CUDA-graph support cannot be declared ({type(exc).__name__}: {exc})")
+            )
+    return info
+
+
+# --------------------------------------------------------------------------- batches
+@dataclass(frozen=True)
+class BatchDescription:
+    """One attention launch, normalised across backends and releases.
+
+    ``query_start_loc``: ``[S + 1]`` token offsets; ``seq_lens``: ``[S]`` KV
+    lengths including this step's tokens; ``block_table``: ``[S, max_blocks]``;
+    ``slot_mapping``: ``[num_tokens]``. ``num_tokens`` (tokens without padding),
+    ``max_query_len`` and ``max_seq_len`` are host ints vLLM already has (no
+    device read). ``native_only`` names why this launch must stay on the native
+    path (cascade attention, non-causal or dynamic masks, metadata that could not
+    be captured), or is ``None``.
+
+    **The phase of a sequence** is decided here and nowhere else: a sequence is
+    in the *decode* phase when its query length is exactly ``DECODE_QUERY_LEN``
+    (1), otherwise *prefill*. Consequences, on purpose:
+
+    * a speculative-decode verify step (query length k + 1) is *prefill*: its
+      k + 1 query rows share a query tile, and the skip rule asks every row of a
+      tile, which is how prefill launches were calibrated (one-row tiles skip
+      more easily, so the decode fit would over-skip);
+    * a 1-token final prefill chunk is *decode*: one query row at the last KV
+      position is, for the kernel, exactly a decode step.
+
+    ``uniform_decode`` (``max_query_len <= 1``, a host int) marks the batches
+    vLLM captures in full CUDA graphs; ``decode_mask()`` gives the per-sequence
+    phase on the device without reading device data.
+    """
+
+    num_tokens: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    native_only: str | None
+
+    DECODE_QUERY_LEN = 1
+
+    @staticmethod
+    def is_decode(query_len: int) -> bool:
+        """The phase rule on a host query length (see the class docstring)."""
+        return query_len == BatchDescription.DECODE_QUERY_LEN
+
+    @property
+    def uniform_decode(self) -> bool:
+        """Every query length is at most 1 (0 = a padded or finished request)."""
+        return int(self.max_query_len) <= self.DECODE_QUERY_LEN
+
+    def decode_mask(self) -> torch.Tensor:
+        """``[S]`` bool on the device: the phase rule applied per sequence."""
+        query_lens = self.query_start_loc[1:] - self.query_start_loc[:-1]
+        return query_lens == self.DECODE_QUERY_LEN
+
+
+#: Metadata fields, per the names backends use (FlashAttention and CPU_ATTN
+#: carry them on their own metadata; FlashInfer keeps them only in the common
+#: metadata its builder receives, captured by ``capture_batches``).
+_DIRECT_FIELDS = ("query_start_loc", "seq_lens", "block_table", "slot_mapping", "num_actual_tokens", "max_query_len", "max_seq_len")
+_CAPTURED_ATTR = "_sparse_attn_common"
+#: Set on a builder class whose ``build`` met metadata it could not annotate.
+_CAPTURE_FAILED_ATTR = "_sparse_attn_capture_failed"
+
+
+def _instances_take_attributes(cls: type) -> bool:
+    """False for a fully slotted class (no instance ``__dict__``)."""
+    for klass in cls.__mro__:
+        if klass is object:
+            continue
+        slots = klass.__dict__.get("__slots__")
+        if slots is None or "__dict__" in ((slots,) if isinstance(slots, str) else slots):
+            return True
+    return False
+
+
+def capture_batches(backend_cls: Any) -> str | None:
+    """Make ``backend_cls``'s metadata builder keep the backend-independent
+    ``CommonAttentionMetadata`` on each metadata object it builds. Idempotent.
+
+    Returns ``None`` when attached, else why it cannot attach (no backend, no
+    builder, a ``build`` that is not a function, fully slotted metadata). The
+    wrapped ``build(self, common_prefix_len, common_attn_metadata, ...)`` has
+    this signature in every release from 0.18.1 to 0.33.0 (read from each release's sources).
+    """
+    if backend_cls is None or not hasattr(backend_cls, "get_builder_cls"):
+        return "the layer has no attention backend with a metadata builder"
+    try:
+        builder = backend_cls.get_builder_cls()
+    except Exception as exc:  # noqa: BLE001 - any failure here means: cannot capture
+        return f"{backend_cls.__name__}.get_builder_cls() raised {type(exc).__name__}: {exc}"
+    original = getattr(builder, "build", None)
+    if getattr(original, "_sparse_attn_capture", False):
+        return getattr(builder, _CAPTURE_FAILED_ATTR, None)
+    if not callable(original) or not hasattr(original, "__code__"):
+        return f"{builder.__name__}.build is not a Python function ({type(original).__name__})"
+    metadata_cls = getattr(backend_cls, "get_metadata_cls", None)
+    if callable(metadata_cls):
+        try:
+            cls = metadata_cls()
+        except Exception:  # noqa: BLE001 - optional capability; the build wrapper still checks
+            cls = None
+        if isinstance(cls, type) and not _instances_take_attributes(cls):
+            return f"{cls.__name__} is slotted; its builder's input cannot be kept on it"
+
+    @functools.wraps(original)
+    def build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
+        metadata = original(self, common_prefix_len, common_attn_metadata, *args, **kwargs)
+        try:
+            # object.__setattr__: the metadata dataclasses may be frozen; the
+            # captured object lives exactly as long as the metadata it describes.
+            object.__setattr__(metadata, _CAPTURED_ATTR, (common_prefix_len, common_attn_metadata))
+        except (AttributeError, TypeError) as exc:
+            if not getattr(builder, _CAPTURE_FAILED_ATTR, None):
+                setattr(builder, _CAPTURE_FAILED_ATTR, f"{type(metadata).__name__} refuses attributes ({exc})")
+                logger.warning("sparse-attn: %s: batches of this backend run native", getattr(builder, _CAPTURE_FAILED_ATTR))
+        return metadata
+
+    build._sparse_attn_capture = True  # type: ignore[attr-defined]
+    builder.build = build
+    return None
+
+
+def describe_batch(attn_metadata: Any) -> BatchDescription:
+    """Normalise a backend's attention metadata into a ``BatchDescription``.
+
+    Never raises for a launch: metadata that is neither captured nor carries the
+    fields gives ``native_only`` (``prepare_layer`` refuses such layers up front).
+    """
+    captured = getattr(attn_metadata, _CAPTURED_ATTR, None)
+    native_only = None
+    if getattr(attn_metadata, "use_cascade", False):
+        native_only = "cascade attention"
+    if captured is not None:
+        prefix_len, common = captured
+        if prefix_len:
+            native_only = native_only or "shared-prefix (cascade) launch"
+        causal = common.causal
+        fields = dict(
+            query_start_loc=common.query_start_loc, seq_lens=common.seq_lens, block_table=common.block_table_tensor,
+            slot_mapping=common.slot_mapping, num_tokens=common.num_actual_tokens, max_query_len=common.max_query_len,
+            max_seq_len=common.max_seq_len,
+        )
+    else:
+        missing = [f for f in _DIRECT_FIELDS if not hasattr(attn_metadata, f)]
+        if missing:
+            empty = torch.empty(0, dtype=torch.int32)
+            return BatchDescription(
+                num_tokens=0, query_start_loc=empty, seq_lens=empty, block_table=empty.view(0, 0), slot_mapping=empty,
+                max_query_len=0, max_seq_len=0,
+                native_only=f"{type(attn_metadata).__name__} has no {', '.join(missing)} and its builder was not captured",
+            )
+        causal = getattr(attn_metadata, "causal", True)
+        fields = dict(
+            query_start_loc=attn_metadata.query_start_loc, seq_lens=attn_metadata.seq_lens, block_table=attn_metadata.block_table,
+            slot_mapping=attn_metadata.slot_mapping, num_tokens=attn_metadata.num_actual_tokens,
+            max_query_len=attn_metadata.max_query_len, max_seq_len=attn_metadata.max_seq_len,
+        )
+    if isinstance(causal, torch.Tensor) or getattr(attn_metadata, "dynamic_causal", None) is not None:
+        native_only = native_only or "per-token (dynamic) causal mask"
+    elif not causal:
+        native_only = native_only or "non-causal attention"
+    return BatchDescription(native_only=native_only, **fields)

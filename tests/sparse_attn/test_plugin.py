@@ -1,0 +1,123 @@
+"""sparse_attn.plugin without vLLM: install over fake attention layers (what stays
+native and why, the install summary the stats RPC returns) and logger etiquette."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+
+import pytest
+import torch
+
+import compat
+from compat import model as cmodel
+from sparse_attn import plugin
+from sparse_attn.adapter import Policy, SparseAttentionMixin
+from sparse_attn.stats import WorkerStats
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, impl):
+        super().__init__()
+        self.impl = impl
+        self.isa = "vec"
+        self.attn_backend = type("CPUBackend", (), {"get_name": staticmethod(lambda: "CPU_ATTN")})
+
+
+class Impl:
+    def __init__(self, **attrs):
+        self.num_heads, self.num_kv_heads, self.head_size, self.scale = 4, 2, 32, 0.125
+        self.__dict__.update(attrs)
+
+    def forward(self, *args, **kwargs):
+        return "native"
+
+
+class FinalImpl(Impl):
+    def __init_subclass__(cls, **kwargs):
+        raise TypeError("no subclasses")
+
+
+class SelfAttn(torch.nn.Module):
+    def __init__(self, impl):
+        super().__init__()
+        self.attn = Attention(impl)
+
+
+class Model(torch.nn.Module):
+    def __init__(self, impls):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(SelfAttn(i) for i in impls)
+
+
+@pytest.fixture(autouse=True)
+def fake_vllm(monkeypatch):
+    module = types.ModuleType("fake_vllm_attention")
+    module.Attention = Attention
+    monkeypatch.setitem(sys.modules, "fake_vllm_attention", module)
+    monkeypatch.setattr(cmodel, "ATTENTION_CLASS_PATHS", ("fake_vllm_attention:Attention",))
+    monkeypatch.setenv("SPARSE_ATTN_KV_LAYOUT", "CPU_ATTN=cpu-packed")
+    monkeypatch.setenv("SPARSE_ATTN_CACHE_WRITER", "adapter")
+    monkeypatch.setattr(plugin, "STATS", WorkerStats())
+    compat.reset_for_tests()
+    yield
+    compat.reset_for_tests()
+
+
+POLICY = Policy(scale_factors={"prefill": 2.0, "decode": 2.0}, stats_interval_s=0)
+
+
+def test_install_replaces_what_it_can_and_says_why_the_rest_stays_native():
+    model = Model([Impl(), Impl(sliding_window=128), FinalImpl(), Impl()])
+    summary = plugin.install(model, None, POLICY, rank=1)
+    impls = [layer.attn.impl for layer in model.layers]
+    assert [isinstance(i, SparseAttentionMixin) for i in impls] == [True, False, False, True]
+    assert summary["installed"] == 2 and summary["total"] == 4 and summary["rank"] == 1
+    assert summary["backends"] == ["CPU_ATTN"] and summary["layout"] == {"CPU_ATTN": "cpu-packed"}
+    assert summary["cache_writer"] == {"CPU_ATTN": "adapter"} and summary["mode"] == "serving"
+    (why_window, n1), (why_final, n2) = sorted(summary["native"].items())
+    assert (n1, n2) == (1, 1)
+    assert "cannot replace the attention impl" in why_window + why_final and "no subclasses" in why_window + why_final
+    assert "sliding window 128" in why_window + why_final
+    snap = plugin.sparsity_stats()
+    assert snap["install"] == summary and snap["layers_installed"] == 2 and snap["owner_classes"] == ["SelfAttn"]
+
+
+def test_strict_mode_refuses_layers_it_cannot_serve(monkeypatch):
+    monkeypatch.setenv("SPARSE_ATTN_STRICT", "1")
+    compat.reset_for_tests()
+    with pytest.raises(plugin.SparseAttentionStartupError, match="sliding window 128"):
+        plugin.install(Model([Impl(), Impl(sliding_window=128)]), None, POLICY)
+
+
+@pytest.fixture
+def clean_loggers():
+    saved = {}
+    for name in ("sparse_attn", "compat", ""):
+        log = logging.getLogger(name)
+        saved[name] = (list(log.handlers), log.level, log.propagate)
+        log.handlers = []
+    yield
+    for name, (handlers, level, propagate) in saved.items():
+        log = logging.getLogger(name)
+        log.handlers, log.level, log.propagate = handlers, level, propagate
+
+
+def test_logging_gets_a_handler_only_where_nothing_would_print(clean_loggers):
+    logging.getLogger().handlers = []  # pytest's capture handler joins the root logger after fixtures
+    plugin._log_to_stderr()
+    for name in ("sparse_attn", "compat"):
+        log = logging.getLogger(name)
+        assert len(log.handlers) == 1 and log.level == logging.INFO and log.propagate
+    plugin._log_to_stderr()
+    assert len(logging.getLogger("sparse_attn").handlers) == 1, "idempotent"
+
+
+def test_logging_configured_by_the_application_is_left_alone(clean_loggers):
+    logging.getLogger().handlers = [logging.NullHandler()]  # e.g. logging.basicConfig() in the user's process
+    logging.getLogger("compat").setLevel(logging.WARNING)
+    plugin._log_to_stderr()
+    for name, level in (("sparse_attn", logging.NOTSET), ("compat", logging.WARNING)):
+        log = logging.getLogger(name)
+        assert log.handlers == [] and log.level == level and log.propagate
