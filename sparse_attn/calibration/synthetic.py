@@ -24,12 +24,24 @@ Length bins
 -----------
 ``length_bins(max_seqlen, min_seqlen)`` gives ``max_seqlen, max_seqlen/2, ...``
 down to (and including) the first value ``>= min_seqlen``, optionally capped to
-``num_length_bins`` bins. Each prompt is sized to at most
-``bin - num_decode_tokens`` tokens so that prefill plus the measured decode
-steps fit in the bin. ``num_samples`` samples are spread round-robin: sample
+``num_length_bins`` bins. ``num_samples`` samples are spread round-robin: sample
 ``i`` goes to bin ``i % n_bins`` and task ``(i // n_bins) % n_tasks``, so every
-(bin, task) pair is covered once ``num_samples >= n_bins * n_tasks``. The
-output is a pure function of (seed, tokenizer, parameters).
+(bin, task) pair is covered once ``num_samples >= n_bins * n_tasks``.
+
+Within a bin the prompts are *staggered*: the ``r``-th sample of a bin
+(``r = i // n_bins``) is sized to at most
+``(bin - num_decode_tokens) * (1 - length_spread * u_r)`` tokens, where ``u_r``
+is the van der Corput sequence ``0, 1/2, 1/4, 3/4, 1/8, ...``; so the first
+sample of each bin fills it, and any number of samples cover the band
+``[1 - length_spread, 1]`` of the budget evenly. Why: decode sparsity at one
+scale depends on the KV length of each step, not only on the content (on the
+demo's tiny model a launch skips 6 % of its tiles at kv_len 2030-2049 and 96 %
+at 2010-2019, the same for every prompt), so prompts all packed against the bin
+top measure decode in one narrow band of KV lengths, and another prompt set,
+whose lengths land a few dozen tokens away (haystack granularity, another
+decode budget), sees another sparsity. ``length_spread=0`` packs every prompt
+against the top. The output is a pure function of (seed, tokenizer, parameters),
+and sample ``i`` does not depend on ``num_samples``.
 
 Errors are :class:`~sparse_attn.calibration.errors.CalibrationDataError`;
 their fixes name ``sparse-attn calibrate`` flags (``--calib_max_seqlen``,
@@ -46,7 +58,7 @@ from typing import Callable, Iterable, Sequence
 from .errors import CalibrationDataError
 from .prompts import CalibrationSample, Tokenizer
 
-__all__ = ["TASKS", "generate_calibration_samples", "length_bins"]
+__all__ = ["DEFAULT_LENGTH_SPREAD", "TASKS", "generate_calibration_samples", "length_bins"]
 
 TASKS = ("niah_multikey", "variable_tracking", "frequent_words", "qa")
 
@@ -316,6 +328,20 @@ def _fit_to_budget(build: Callable[[int], tuple[str, tuple[str, ...]]], tokenize
     return cache[lo]
 
 
+#: Default fraction of each bin's prompt budget that the staggered prompt lengths cover (see the module docstring).
+DEFAULT_LENGTH_SPREAD = 0.25
+
+
+def _van_der_corput(r: int) -> float:
+    """``r``-th point of the base-2 van der Corput sequence: 0, 1/2, 1/4, 3/4, 1/8, 5/8, ... (in [0, 1))."""
+    u, denom = 0.0, 1.0
+    while r:
+        denom *= 2.0
+        r, bit = divmod(r, 2)
+        u += bit / denom
+    return u
+
+
 def generate_calibration_samples(
     tokenizer: Tokenizer,
     *,
@@ -326,12 +352,16 @@ def generate_calibration_samples(
     num_decode_tokens: int = 10,
     tasks: Iterable[str] = TASKS,
     seed: int = 0,
+    length_spread: float = DEFAULT_LENGTH_SPREAD,
 ) -> list[CalibrationSample]:
     """Generate exactly ``num_samples`` prompts spread over length bins and tasks.
 
-    Each prompt has at most ``bin - num_decode_tokens`` tokens (as counted by
-    ``tokenizer.encode``) and is as long as the haystack granularity allows.
+    Sample ``r`` of a bin has at most ``(bin - num_decode_tokens) * (1 - length_spread * u_r)``
+    tokens (as counted by ``tokenizer.encode``; ``u_r`` as in the module docstring) and is as
+    long as the haystack granularity allows. ``length_spread`` is in ``[0, 1)``.
     """
+    if isinstance(length_spread, bool) or not isinstance(length_spread, (int, float)) or not 0.0 <= length_spread < 1.0:
+        raise CalibrationDataError(f"length_spread must be a number in [0, 1), got {length_spread!r}")
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
         raise CalibrationDataError(f"num_samples must be a positive integer, got {num_samples!r}")
     if isinstance(num_decode_tokens, bool) or not isinstance(num_decode_tokens, int) or num_decode_tokens < 0:
@@ -347,12 +377,20 @@ def generate_calibration_samples(
     for i in range(num_samples):
         target = bins[i % len(bins)]
         task = tasks[(i // len(bins)) % len(tasks)]
-        budget = target - num_decode_tokens
-        if budget < 1:
+        full = target - num_decode_tokens
+        if full < 1:
             raise CalibrationDataError(f"length bin {target} leaves no room for prompts after {num_decode_tokens} decode tokens")
+        budget = max(1, int(full * (1.0 - length_spread * _van_der_corput(i // len(bins)))))
         key = f"sparse-attn-calib:{seed}:{i}:{task}"
         build = _TASK_BUILDERS[task](random.Random(key), key + ":haystack")
-        n_tokens, prompt, answers = _fit_to_budget(build, tokenizer, budget, f"sample {i} ({task}, bin {target})")
+        what = f"sample {i} ({task}, bin {target})"
+        try:
+            n_tokens, prompt, answers = _fit_to_budget(build, tokenizer, budget, what)
+        except CalibrationDataError:
+            if budget == full:
+                raise
+            # a bin too small for the staggered size still gets a prompt: the unstaggered one
+            n_tokens, prompt, answers = _fit_to_budget(build, tokenizer, full, what)
         samples.append(
             CalibrationSample(prompt=prompt, task=task, target_len=target, num_tokens=n_tokens, answers=answers)
         )

@@ -65,13 +65,40 @@ def test_exact_count_spread_over_bins_and_tasks(samples):
     assert all(n == 1 for n in by_pair.values())
 
 
-def test_prompts_fit_their_bin_and_nearly_fill_it(samples):
-    for s in samples:
+#: r-th sample of a bin: budget fraction 1 - 0.25 * u_r, u_r = base-2 van der Corput (0, 1/2, 1/4, 3/4)
+STAGGER = {0: 1.0, 1: 0.875, 2: 0.9375, 3: 0.8125}
+
+
+def test_prompts_fit_their_staggered_budget_and_nearly_fill_it(samples):
+    for i, s in enumerate(samples):
         n = len(WS.encode(s.prompt))
         assert n == s.num_tokens
-        budget = s.target_len - 10
+        budget = int((s.target_len - 10) * STAGGER[i // 4])
         assert n <= budget
-        assert n >= 0.95 * budget, (s.task, s.target_len, n)
+        assert n >= 0.95 * budget, (s.task, s.target_len, n, budget)
+
+
+def test_lengths_spread_within_each_bin_unless_disabled(samples):
+    """Decode sparsity depends on each step's KV length: a bin's prompts must not all sit at its top."""
+    for target in (8192, 4096, 2048, 1024):
+        lengths = [s.num_tokens for s in samples if s.target_len == target]
+        assert max(lengths) >= 0.95 * (target - 10)
+        assert max(lengths) - min(lengths) >= 0.15 * target, (target, lengths)
+    packed = generate_calibration_samples(WS, num_samples=16, max_seqlen=8192, min_seqlen=1024, num_length_bins=4,
+                                          num_decode_tokens=10, seed=7, length_spread=0.0)
+    for s in packed:
+        assert 0.95 * (s.target_len - 10) <= s.num_tokens <= s.target_len - 10, (s.task, s.target_len, s.num_tokens)
+
+
+def test_sample_does_not_depend_on_the_number_of_samples(samples):
+    fewer = generate_calibration_samples(WS, num_samples=8, max_seqlen=8192, min_seqlen=1024, num_length_bins=4, num_decode_tokens=10, seed=7)
+    assert fewer == samples[:8]
+
+
+@pytest.mark.parametrize("spread", [-0.1, 1.0, True, "0.2"], ids=["negative", "one", "bool", "string"])
+def test_length_spread_out_of_range_is_a_clear_error(spread):
+    with pytest.raises(CalibrationDataError, match="length_spread must be a number in"):
+        generate_calibration_samples(WS, num_samples=1, max_seqlen=1024, min_seqlen=1024, length_spread=spread)
 
 
 def test_other_tokenizer_budget_respected():
