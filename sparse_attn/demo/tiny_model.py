@@ -17,8 +17,8 @@ attention look either trivially good or trivially bad. The q/k projections are
 therefore built so that each layer has the three patterns real LLMs show:
 
 * **sink**: every query attends strongly to the first token (BOS).
-* **local window**: heads in KV group 0 attend to the last few dozen tokens.
-* **retrieval**: heads in KV group 1 attend to earlier occurrences of the
+* **local window**: even-numbered KV heads (and their query heads) attend to the last few dozen tokens.
+* **retrieval**: odd-numbered KV heads attend to earlier occurrences of the
   current token, wherever they are.
 
 How this is done (HF/vLLM Llama RoPE is "neox" style: dim ``d`` and
@@ -31,11 +31,11 @@ How this is done (HF/vLLM Llama RoPE is "neox" style: dim ``d`` and
 * *Sink*: every query head reads ``BIAS_DIM`` into the lowest-frequency RoPE
   pair, and every KV head reads ``SINK_DIM`` into the same pair. Rotation there
   is under 1 rad for 4096 positions, so q.k(BOS) stays large and positive.
-* *Local window*: KV group 0 reads ``BIAS_DIM`` into several middle-frequency
+* *Local window*: each even-numbered KV head reads ``BIAS_DIM`` into several middle-frequency
   pairs, and so do its query heads. Then q_i.k_j = sum_d a^2 cos(f_d (i - j)),
   which peaks at i = j and decays over roughly 1/min(f_d) tokens: a soft
   window, whatever the tokens are.
-* *Retrieval*: KV group 1 and its query heads read the same random projection
+* *Retrieval*: each odd-numbered KV head and its query heads read the same random projection
   of the *content* channels into low-frequency pairs. q_i.k_j is then large
   when tokens i and j are the same and about zero otherwise.
 * Everything else (v, o, MLP, lm_head, the remaining q/k dims) is small
@@ -111,7 +111,7 @@ def make_corpus(seed: int = 0, num_sentences: int = 6000) -> Iterator[str]:
         yield text
 
 
-def train_tokenizer(vocab_size: int = 2048, seed: int = 0, model_max_length: int = 4096):
+def train_tokenizer(vocab_size: int = 2048, seed: int = 0):
     """Byte-level BPE trained on :func:`make_corpus`. Adds BOS (``<s>``) in front
     of every encoded sequence (like Llama). Returns a ``tokenizers.Tokenizer``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -136,7 +136,7 @@ def train_tokenizer(vocab_size: int = 2048, seed: int = 0, model_max_length: int
 
 
 def _build_weights(*, seed, num_layers, hidden, heads, kv_heads, head_dim, intermediate, vocab,
-                   rope_theta, bias_amp, sink_amp, sink_gain, local_gain, retrieval_gain,
+                   bias_amp, sink_amp, sink_gain, local_gain, retrieval_gain,
                    local_pairs, retrieval_pairs):
     import torch
 
@@ -210,8 +210,8 @@ def _build_weights(*, seed, num_layers, hidden, heads, kv_heads, head_dim, inter
         w[p + "input_layernorm.weight"] = torch.ones(hidden)
         w[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
     w["model.norm.weight"] = torch.ones(hidden)
-    # lm_head reads the content channels only; a mild preference for
-    # repeating recent content keeps greedy text from collapsing to one token.
+    # lm_head: Gaussian noise over the content channels only (the two reserved
+    # channels and the PAD/BOS rows are zero, so greedy decoding never emits them).
     lm = randn(vocab, hidden, std=0.5)
     lm[:, :2] = 0.0
     lm[PAD_ID] = 0.0
@@ -256,7 +256,7 @@ def build_tiny_llama(
     out.mkdir(parents=True, exist_ok=True)
     intermediate = intermediate or 2 * hidden
 
-    tok = train_tokenizer(vocab, seed=seed, model_max_length=max_position)
+    tok = train_tokenizer(vocab, seed=seed)
     vocab_size = tok.get_vocab_size()
     tok.save(str(out / "tokenizer.json"))
 
@@ -271,7 +271,7 @@ def build_tiny_llama(
 
     weights = _build_weights(
         seed=seed, num_layers=num_layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
-        head_dim=head_dim, intermediate=intermediate, vocab=vocab_size, rope_theta=rope_theta,
+        head_dim=head_dim, intermediate=intermediate, vocab=vocab_size,
         bias_amp=4.0, sink_amp=8.0, sink_gain=sink_gain, local_gain=local_gain,
         retrieval_gain=retrieval_gain, local_pairs=local_pairs, retrieval_pairs=retrieval_pairs,
     )
@@ -325,53 +325,6 @@ def build_tiny_llama(
         {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"},
         indent=2) + "\n")
     return out
-
-
-def reference_attention(model_dir: str | os.PathLike, token_ids, layer: int = 0):
-    """Layer-``layer`` attention probabilities ``[heads, T, T]`` computed with plain
-    torch from the checkpoint (embeddings -> layers, causal, RoPE neox). For
-    checking the sink/local/retrieval structure without vLLM."""
-    import torch
-    from safetensors.torch import load_file
-
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    w = load_file(str(Path(model_dir) / "model.safetensors"))
-    H, KH, D = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    eps, theta = cfg["rms_norm_eps"], cfg["rope_theta"]
-    ids = torch.as_tensor(token_ids)
-    T = ids.numel()
-    x = w["model.embed_tokens.weight"][ids]
-    pos = torch.arange(T, dtype=torch.float32)
-    inv = theta ** (-torch.arange(0, D, 2, dtype=torch.float32) / D)
-    ang = pos[:, None] * inv[None]
-    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
-
-    def rope(t):  # [T, n, D]
-        t1, t2 = t[..., : D // 2], t[..., D // 2:]
-        return t * cos[:, None] + torch.cat([-t2, t1], -1) * sin[:, None]
-
-    def rms(t, wt):
-        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps) * wt
-
-    mask = torch.ones(T, T, dtype=torch.bool).tril()
-    for li in range(layer + 1):
-        p = f"model.layers.{li}."
-        h = rms(x, w[p + "input_layernorm.weight"])
-        q = rope((h @ w[p + "self_attn.q_proj.weight"].T).view(T, H, D))
-        k = rope((h @ w[p + "self_attn.k_proj.weight"].T).view(T, KH, D))
-        v = (h @ w[p + "self_attn.v_proj.weight"].T).view(T, KH, D)
-        k = k.repeat_interleave(H // KH, 1)
-        v = v.repeat_interleave(H // KH, 1)
-        s = torch.einsum("thd,shd->hts", q, k) * D**-0.5
-        probs = s.masked_fill(~mask, float("-inf")).softmax(-1)
-        if li == layer:
-            return probs
-        a = torch.einsum("hts,shd->thd", probs, v).reshape(T, H * D)
-        x = x + a @ w[p + "self_attn.o_proj.weight"].T
-        h = rms(x, w[p + "post_attention_layernorm.weight"])
-        m = torch.nn.functional.silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T)
-        x = x + m @ w[p + "mlp.down_proj.weight"].T
-    raise AssertionError("unreachable")
 
 
 def main(argv=None) -> int:

@@ -149,8 +149,25 @@ def test_out_buffer_is_filled():
     torch.testing.assert_close(buf, _run(batch, scale=0.25))
 
 
-def test_tile_geometry_is_exported():
-    assert TILE_Q >= 1 and TILE_K >= 1
+@pytest.mark.parametrize("kv_lens, q_lens", [
+    pytest.param([1], [1], id="decode-first-token"),
+    pytest.param([300], [1], id="decode-300"),
+    pytest.param([200], [200], id="prefill-200"),
+    pytest.param([130], [65], id="chunk-65-of-130"),
+    pytest.param([64, 129, 7], [64, 2, 7], id="mixed"),
+])
+def test_visited_tiles_follow_the_documented_geometry(kv_lens, q_lens):
+    """_common.py: a query tile is TILE_Q rows aligned to the sequence's first query row, and it
+    visits KV tiles 0..last, last = the tile holding the last position its last valid row sees.
+    The count per head is computed here from that text alone, independent of the kernels."""
+    expected = 0
+    for kv_len, q_len in zip(kv_lens, q_lens):
+        for row0 in range(0, q_len, TILE_Q):
+            last_row = min(row0 + TILE_Q, q_len) - 1
+            expected += (kv_len - q_len + last_row) // TILE_K + 1
+    batch = make_batch(kv_lens, q_lens, 4, 2, 32, 16)
+    _, _, visited = _run(batch, scale=32 ** -0.5, threshold=0.0, return_counts=True)
+    assert visited.tolist() == [expected] * 4
 
 
 # --------------------------------------------------------------------------- validation
