@@ -277,7 +277,6 @@ def _run_group(query, key_cache, value_cache, bt, meta, seqs, rows, scale, causa
     acc = torch.zeros(q.shape)
     kv_host = [meta.seq_lens[s] for s in seqs]
     n_tiles = int(last_tile.max()) + 1
-    seq_ids = torch.arange(b_all)
     visited = torch.zeros((), dtype=torch.int64)
 
     t0 = 0
