@@ -27,6 +27,7 @@ from sparse_attn.config import (
     SparseAttentionConfigError,
     read_section,
 )
+from sparse_attn.kernels import support
 from sparse_attn.protocol import CALIBRATION_ENV, PHASES, STATS_RPC
 from sparse_attn.stats import STATS
 
@@ -128,18 +129,20 @@ def install_in_worker(worker: Any) -> dict:
 
 
 def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, rank: int = 0) -> dict:
+    """Make every attention layer of ``model`` that ``config`` targets and the kernels serve
+    sparse; returns (and logs) the install summary the stats RPC also returns."""
     strict = envs.get("SPARSE_ATTN_STRICT")
     report = compat.probe()
-    installed, native, backends, owners = 0, {}, set(), set()
+    installed, native, backends, owners, features = 0, {}, set(), set(), {}
     layers = list(cmodel.attention_layers(model))
     for layer, info in layers:
         if config is not None and not config.matches(info.name, [info.owner_class, type(layer).__name__]):
-            native[info.name] = "not targeted by the config"
+            native[info.name] = NOT_TARGETED
             continue
-        reason = _unsupported_reason(info, report)
+        reason = _native_reason(info, report)
         if reason is None:
             info = cmodel.prepare_layer(layer, info)
-            reason = _unsupported_reason(info, report)
+            reason = info.compat_refusal
         if reason is None:
             try:
                 make_sparse(layer, info, policy, STATS)
@@ -151,7 +154,9 @@ def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, ra
         installed += 1
         backends.add(info.backend)
         owners.add(info.owner_class)
-    problems = {name: why for name, why in native.items() if why != "not targeted by the config"}
+        used = info.features.in_use()
+        features[used] = features.get(used, 0) + 1
+    problems = {name: why for name, why in native.items() if why != NOT_TARGETED}
     if strict and problems:
         raise SparseAttentionStartupError(
             f"SPARSE_ATTN_STRICT=1 and {len(problems)} attention layer(s) cannot run sparse: "
@@ -171,29 +176,38 @@ def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, ra
         "cache_writer": {b: e.writer for b, e in entry.items()},
         "mode": "calibration (counting, dense outputs)" if policy.calibration_scales else "serving",
         "targets": list(config.group.targets) if config else ["all (calibration)"],
+        "sparse_features": features,
         "native": reasons,
         "cuda_graphs": {b: d.describe() for b, d in graphs.installed().items() if b in backends},
     }
     STATS.set_install(summary, tuple(sorted(owners)))
     logger.info(
-        "sparse-attn[rank %d]: %d/%d attention layers sparse, backend %s, layout %s, cache writer %s, mode %s, targets %s%s",
+        "sparse-attn[rank %d]: %d/%d attention layers sparse, backend %s, layout %s, cache writer %s, mode %s, "
+        "targets %s, features %s%s",
         rank, installed, len(layers), ",".join(summary["backends"]) or "-", summary["layout"], summary["cache_writer"],
-        summary["mode"], summary["targets"], f", native: {reasons}" if reasons else "",
+        summary["mode"], summary["targets"], features or "-", f", native: {reasons}" if reasons else "",
     )
     return summary
 
 
-def _unsupported_reason(info: cmodel.LayerInfo, report: compat.CompatReport) -> str | None:
-    if info.unsupported:
-        return ", ".join(info.unsupported)
+#: The native reason of a layer the checkpoint's ``targets`` / ``ignore`` leave out (not a problem).
+NOT_TARGETED = "not targeted by the config"
+
+
+def _native_reason(info: cmodel.LayerInfo, report: compat.CompatReport) -> str | None:
+    """Why ``info``'s layer must stay native, or ``None``: the one place that joins what
+    the kernels serve (``kernels.support``) with what compat says the layer is and has."""
+    reasons = list(support.unsupported(info.features))
+    if info.compat_refusal:
+        reasons.append(info.compat_refusal)
     entry = report.backends.get(info.backend)
     if entry is None:
-        return f"backend {info.backend} is not served (served: {', '.join(report.backends)})"
-    if entry.layout is None:
-        return f"backend {info.backend}: no known KV-cache layout ({entry.import_error or entry.layout_detail})"
+        reasons.append(f"backend {info.backend} is not served (served: {', '.join(report.backends)})")
+    elif entry.layout is None:
+        reasons.append(f"backend {info.backend}: no known KV-cache layout ({entry.import_error or entry.layout_detail})")
     if info.num_heads % info.num_kv_heads:
-        return f"{info.num_heads} query heads are not a multiple of {info.num_kv_heads} KV heads"
-    return None
+        reasons.append(f"{info.num_heads} query heads are not a multiple of {info.num_kv_heads} KV heads")
+    return ", ".join(reasons) or None
 
 
 def sparsity_stats(worker: Any = None, reset: bool = False) -> dict:

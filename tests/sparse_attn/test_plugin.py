@@ -91,6 +91,35 @@ def test_strict_mode_refuses_layers_it_cannot_serve(monkeypatch):
         plugin.install(Model([Impl(), Impl(sliding_window=128)]), None, POLICY)
 
 
+def test_summary_groups_sparse_layers_by_the_features_they_use():
+    model = Model([Impl(), Impl(kv_cache_dtype="bfloat16"), Impl(kv_cache_dtype="bfloat16"), Impl(sliding_window=(127, 0))])
+    summary = plugin.install(model, None, POLICY)
+    assert summary["installed"] == 3
+    assert summary["sparse_features"] == {"none": 1, "kv_cache_dtype=bfloat16": 2}
+    assert summary["native"] == {"sliding window 128": 1}
+    assert plugin.sparsity_stats()["install"]["sparse_features"] == summary["sparse_features"]
+
+
+def _layer_with_backend(name):
+    layer = SelfAttn(Impl())
+    layer.attn.attn_backend = type("B", (), {"get_name": staticmethod(lambda: name)})
+    return layer
+
+
+def test_every_reason_a_layer_stays_native_is_joined_in_one_place():
+    model = Model([Impl(num_heads=5), Impl(sliding_window=-7), Impl(logits_soft_cap=50.0, sinks=torch.zeros(4))])
+    model.layers.append(_layer_with_backend("FOO_ATTN"))
+    summary = plugin.install(model, None, POLICY)
+    assert summary["installed"] == 0 and summary["total"] == 4
+    assert summary["native"] == {
+        "5 query heads are not a multiple of 2 KV heads": 1,
+        "sliding_window -7 is a window spelling compat does not know": 1,
+        "logits soft-cap 50.0, attention sinks": 1,
+        f"backend FOO_ATTN is not served (served: {', '.join(compat.probe().backends)})": 1,
+    }
+    assert not any(isinstance(layer.attn.impl, SparseAttentionMixin) for layer in model.layers)
+
+
 @pytest.fixture
 def clean_loggers():
     saved = {}
