@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from compat import envs, graphs, layouts
+from compat import envs, layouts, patches
 from compat.errors import (
     CompatError,
     HookError,
@@ -70,11 +70,12 @@ def probe() -> CompatReport:
 
 
 def reset_for_tests() -> None:
-    """Forget the probe and parsed environment so the next call re-reads both."""
+    """Forget the probe and parsed environment so the next call re-reads both, and undo
+    every class-level patch compat made in vLLM (``compat.patches.undo_all``)."""
     global _report
     _report = None
     _bound.clear()
-    graphs.reset_for_tests()
+    patches.undo_all()
     envs.reset_for_tests()
 
 

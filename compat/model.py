@@ -28,7 +28,7 @@ from typing import Any, Iterator
 
 import torch
 
-from compat import graphs
+from compat import graphs, patches
 from compat.errors import CompatError
 
 logger = logging.getLogger("compat")
@@ -374,12 +374,13 @@ def capture_batches(backend_cls: Any) -> str | None:
             object.__setattr__(metadata, _CAPTURED_ATTR, (common_prefix_len, common_attn_metadata))
         except (AttributeError, TypeError) as exc:
             if not getattr(builder, _CAPTURE_FAILED_ATTR, None):
-                setattr(builder, _CAPTURE_FAILED_ATTR, f"{type(metadata).__name__} refuses attributes ({exc})")
+                patches.set_class_attr(builder, _CAPTURE_FAILED_ATTR, f"{type(metadata).__name__} refuses attributes ({exc})",
+                                       scope="layers")
                 logger.warning("sparse-attn: %s: batches of this backend run native", getattr(builder, _CAPTURE_FAILED_ATTR))
         return metadata
 
     build._sparse_attn_capture = True  # type: ignore[attr-defined]
-    builder.build = build
+    patches.set_class_attr(builder, "build", build, scope="layers")
     return None
 
 

@@ -16,7 +16,7 @@ import logging
 from typing import Any
 
 import compat
-from compat import envs, graphs
+from compat import envs, graphs, patches
 from compat import model as cmodel
 from compat import worker as cworker
 from sparse_attn.adapter import Policy, make_sparse
@@ -34,7 +34,7 @@ from sparse_attn.stats import STATS
 logger = logging.getLogger("sparse_attn")
 
 __all__ = ["CALIBRATION_ENV", "STATS_RPC", "SparseAttentionStartupError", "install", "install_in_worker", "register",
-           "sparsity_stats"]
+           "sparsity_stats", "uninstall"]
 
 
 class SparseAttentionStartupError(RuntimeError):
@@ -42,13 +42,19 @@ class SparseAttentionStartupError(RuntimeError):
 
 
 def register() -> None:
-    """Entry point; must stay cheap and must not raise for unrelated processes."""
+    """Entry point, run in every vLLM process (API server, engine core, workers).
+
+    Cheap and safe there: parses the environment (a malformed ``SPARSE_ATTN_*`` variable
+    fails start-up here with its fix, before any model loads) and hooks model loading.
+    It probes nothing and imports no vLLM module: the worker class is hooked when vLLM
+    imports it, so the API server, which never does, is left alone; the probe runs in
+    the worker, at install."""
     _log_to_stderr()
     if envs.get("SPARSE_ATTN_DISABLE"):
         logger.info("sparse-attn: SPARSE_ATTN_DISABLE=1, vLLM attention left native")
         return
-    compat.probe()  # a bad override fails start-up here, with its fix
-    envs.get(CALIBRATION_ENV)  # and so does a malformed calibration variable
+    for name in envs.validate_all():
+        envs.get(name)  # raises that variable's InvalidOverrideError (what was seen, the valid choices)
     cworker.on_model_loaded(install_in_worker)
     cworker.add_worker_rpc(STATS_RPC, sparsity_stats)
 
@@ -134,6 +140,10 @@ def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, ra
     strict = envs.get("SPARSE_ATTN_STRICT")
     report = compat.probe()
     installed, native, backends, owners, features = 0, {}, set(), set(), {}
+    # A second install starts from the native model, so that its summary is the whole truth:
+    # a layer it leaves native runs native, a layer it makes sparse runs with its policy.
+    for layer, _ in cmodel.attention_layers(model):
+        cworker.restore_impl(layer)
     layers = list(cmodel.attention_layers(model))
     for layer, info in layers:
         if config is not None and not config.matches(info.name, [info.owner_class, type(layer).__name__]):
@@ -188,6 +198,16 @@ def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, ra
         summary["mode"], summary["targets"], features or "-", f", native: {reasons}" if reasons else "",
     )
     return summary
+
+
+def uninstall(model: Any) -> int:
+    """Give every attention layer of ``model`` its native impl back and undo what ``install``
+    patched in vLLM's metadata builders (batch capture, CUDA-graph declaration); returns how
+    many layers were sparse. The model-load hook ``register`` added stays."""
+    restored = sum(cworker.restore_impl(layer) for layer, _ in cmodel.attention_layers(model))
+    patches.undo_all("layers")
+    STATS.set_install({"rank": STATS.install.get("rank", 0), "installed": 0, "total": 0, "reason": "uninstalled"}, ())
+    return restored
 
 
 #: The native reason of a layer the checkpoint's ``targets`` / ``ignore`` leave out (not a problem).

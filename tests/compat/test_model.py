@@ -14,6 +14,7 @@ import types
 import pytest
 import torch
 
+import compat
 from compat import model
 
 
@@ -283,7 +284,7 @@ def test_prepare_layer_caps_the_backends_cuda_graph_support(native, declared):
         assert builder.get_cudagraph_support(None, None).name == declared
         assert graphs.installed()["FLASH_ATTN"].installed
     finally:
-        graphs.reset_for_tests()
+        compat.reset_for_tests()
     assert builder.get_cudagraph_support(None, None).name == native, "reset restores vLLM's own answer"
 
 
@@ -298,4 +299,4 @@ def test_a_backend_that_declares_nothing_keeps_the_layer_and_warns_once(caplog):
                 assert model.prepare_layer(layer, info) is info
         assert len([r for r in caplog.records if "cannot declare" in r.getMessage()]) == 1
     finally:
-        graphs.reset_for_tests()
+        compat.reset_for_tests()
