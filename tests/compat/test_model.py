@@ -300,3 +300,26 @@ def test_a_backend_that_declares_nothing_keeps_the_layer_and_warns_once(caplog):
         assert len([r for r in caplog.records if "cannot declare" in r.getMessage()]) == 1
     finally:
         compat.reset_for_tests()
+
+
+# --------------------------------------------------------------------------- fp8 and sinks accessors
+def test_fp8_on_cpu_packed_pages_is_refused_not_guessed(monkeypatch):
+    monkeypatch.setenv("SPARSE_ATTN_KV_LAYOUT", "CPU_ATTN=cpu-packed,FLASH_ATTN=packed")
+    compat.reset_for_tests()
+    try:
+        cpu = model.describe_layer(fake_layer(backend="CPU_ATTN", kv_cache_dtype="fp8"), "l")
+        assert model.prepare_layer(fake_layer(backend="CPU_ATTN"), cpu).compat_refusal == \
+            "fp8 pages of the cpu-packed layout are not verified"
+        gpu_layer = fake_layer(backend="FLASH_ATTN", kv_cache_dtype="fp8_e5m2")
+        assert model.prepare_layer(gpu_layer, model.describe_layer(gpu_layer, "l")).compat_refusal is None
+    finally:
+        compat.reset_for_tests()
+
+
+def test_kv_scales_and_sinks_are_the_layers_own_tensors():
+    sinks = torch.zeros(4)
+    layer = fake_layer(sinks=sinks)
+    layer._k_scale, layer._v_scale = torch.tensor(0.5), torch.tensor(2.0)
+    k, v = model.layer_kv_scales(layer)
+    assert k is layer._k_scale and v is layer._v_scale and model.layer_sinks(layer) is sinks
+    assert model.layer_kv_scales(fake_layer()) == (1.0, 1.0) and model.layer_sinks(fake_layer()) is None
