@@ -35,7 +35,7 @@ class PhaseRows:
     sequences are adjacent, else an index tensor on the batch's device); ``block_table``
     ``[S', max_blocks]``, ``seq_lens`` ``[S']``, ``query_start_loc`` ``[S' + 1]`` (device);
     ``kv_lens`` / ``q_starts`` / ``q_lens``: the same lengths on the host (query offsets
-    relative to the first of these rows), exact.
+    relative to the first of these rows); ``kv_lens`` is an upper bound unless ``kv_lens_exact``.
     """
 
     seqs: tuple[int, ...]
@@ -46,6 +46,7 @@ class PhaseRows:
     kv_lens: tuple[int, ...]
     q_starts: tuple[int, ...]
     q_lens: tuple[int, ...]
+    kv_lens_exact: bool = True
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,8 @@ class BatchDescription:
     One description serves every layer of a step: ``describe_batch`` keeps it on the
     metadata object vLLM builds per step and hands each layer of the KV-cache group,
     and ``host_lengths()`` / ``phase_rows()`` are computed once per description.
+    vLLM's builders make a new metadata object per step in every release 0.15-0.33 (``build``
+    constructs the dataclass), so a kept description never outlives its step.
 
     **The phase of a sequence** is decided here and nowhere else: a sequence is
     in the *decode* phase when its query length is exactly ``DECODE_QUERY_LEN``
@@ -117,36 +120,44 @@ class BatchDescription:
         query_lens = self.query_start_loc[1:] - self.query_start_loc[:-1]
         return query_lens == self.DECODE_QUERY_LEN
 
-    def host_lengths(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """``(query_start_loc, seq_lens)`` as host ints, exact: from vLLM's host copies (no
-        device read), else one device -> host copy of what is missing, once per step."""
-        if "lengths" not in self._memo:
-            qsl, lens = self.query_start_loc_host, self.seq_lens_host if self.seq_lens_host_exact else None
+    def host_lengths(self, exact: bool = True) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
+        """``(query_start_loc, seq_lens, seq_lens_exact)`` as host ints, from vLLM's host copies
+        (no device read). The query offsets are always exact; the KV lengths are exact when
+        ``seq_lens_exact``, else an upper bound (``exact=False`` accepts vLLM's bound). What
+        vLLM keeps no (acceptable) copy of is read from the device in one copy, once per step."""
+        key = ("lengths", exact)
+        if key not in self._memo:
+            qsl, lens = self.query_start_loc_host, self.seq_lens_host
+            lens_exact = self.seq_lens_host_exact
+            if exact and not lens_exact:
+                lens = None
             if qsl is None and lens is None:
                 both = _read_device(torch.cat([self.query_start_loc.long(), self.seq_lens.long()]))
-                qsl, lens = both[: self.query_start_loc.shape[0]], both[self.query_start_loc.shape[0]:]
+                qsl, lens, lens_exact = both[: self.query_start_loc.shape[0]], both[self.query_start_loc.shape[0]:], True
             elif qsl is None:
                 qsl = _read_device(self.query_start_loc)
             elif lens is None:
-                lens = _read_device(self.seq_lens)
-            self._memo["lengths"] = (_as_ints(qsl), _as_ints(lens))
-        return self._memo["lengths"]
+                lens, lens_exact = _read_device(self.seq_lens), True
+            self._memo[key] = (_as_ints(qsl), _as_ints(lens), lens_exact)
+        return self._memo[key]
 
-    def phase_rows(self) -> dict[str, PhaseRows]:
+    def phase_rows(self, exact: bool = True) -> dict[str, PhaseRows]:
         """``{"decode" | "prefill": PhaseRows}`` of the sequences with query rows, by the
         phase rule; built once per step (one host -> device copy per phase whose sequences
-        are not adjacent, none when they are), then shared by every layer."""
-        if "phases" not in self._memo:
-            starts, kv_lens = self.host_lengths()
+        are not adjacent, none when they are), then shared by every layer. ``exact`` as
+        ``host_lengths`` (the phases come from the exact query offsets either way)."""
+        key = ("phases", exact)
+        if key not in self._memo:
+            starts, kv_lens, kv_exact = self.host_lengths(exact)
             groups: dict[str, list[int]] = {}
             for s in range(len(kv_lens)):
                 q_len = starts[s + 1] - starts[s]
                 if q_len:
                     groups.setdefault("decode" if self.is_decode(q_len) else "prefill", []).append(s)
-            self._memo["phases"] = {phase: self._rows(seqs, starts, kv_lens) for phase, seqs in groups.items()}
-        return self._memo["phases"]
+            self._memo[key] = {phase: self._rows(seqs, starts, kv_lens, kv_exact) for phase, seqs in groups.items()}
+        return self._memo[key]
 
-    def _rows(self, seqs: list[int], starts: tuple[int, ...], kv_lens: tuple[int, ...]) -> PhaseRows:
+    def _rows(self, seqs: list[int], starts: tuple[int, ...], kv_lens: tuple[int, ...], kv_exact: bool) -> PhaseRows:
         q_lens = tuple(starts[s + 1] - starts[s] for s in seqs)
         q_starts = tuple(itertools.accumulate(q_lens, initial=0))
         device = self.seq_lens.device
@@ -165,7 +176,7 @@ class BatchDescription:
                 packed[len(seqs) + len(row_index):].to(self.query_start_loc.dtype)
             block_table, seq_lens = self.block_table[index], self.seq_lens[index]
         return PhaseRows(tuple(seqs), rows, block_table, seq_lens, query_start_loc,
-                         tuple(kv_lens[s] for s in seqs), q_starts[:-1], q_lens)
+                         tuple(kv_lens[s] for s in seqs), q_starts[:-1], q_lens, kv_exact)
 
 
 def _read_device(tensor: torch.Tensor) -> torch.Tensor:

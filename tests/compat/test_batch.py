@@ -72,14 +72,14 @@ def test_a_cpu_batch_is_its_own_exact_host_copy(reads):
     md = direct(Q, KV)
     batch = model.describe_batch(md)
     assert batch.query_start_loc_host is md.query_start_loc and batch.seq_lens_host is md.seq_lens and batch.seq_lens_host_exact
-    assert batch.host_lengths() == (tuple(lengths(Q)), tuple(KV)) and reads == []
+    assert batch.host_lengths() == (tuple(lengths(Q)), tuple(KV), True) and reads == []
 
 
 def test_exact_host_copies_mean_no_device_read(reads):
     """Device tensors on ``meta``: any read of them would raise; vLLM's host copies suffice."""
     md = captured(Q, KV, "meta", seq_lens_cpu=torch.tensor(KV), **HOST)
     batch = model.describe_batch(md)
-    assert batch.seq_lens_host_exact and batch.host_lengths() == (tuple(lengths(Q)), tuple(KV)) and reads == []
+    assert batch.seq_lens_host_exact and batch.host_lengths() == (tuple(lengths(Q)), tuple(KV), True) and reads == []
     rows = batch.phase_rows()
     assert set(rows) == {"decode", "prefill"} and reads == []
 
@@ -96,7 +96,17 @@ def test_an_upper_bound_costs_one_read_of_the_kv_lengths_per_step(reads):
         model.describe_batch(md_dev).host_lengths()
         model.describe_batch(md_dev).phase_rows()
     assert reads == [(4,)], "one read of seq_lens for the step, none of query_start_loc"
-    assert model.describe_batch(md).host_lengths()[1] == tuple(KV), "the exact lengths, not the bound"
+    assert model.describe_batch(md).host_lengths()[1:] == (tuple(KV), True), "on CPU the tensors are exact host copies"
+    assert model.describe_batch(md_dev).host_lengths(exact=False)[1:] == (tuple(bound.tolist()), False)
+    assert model.describe_batch(md_dev).phase_rows(exact=False)["prefill"].kv_lens_exact is False
+    assert reads == [(4,)]
+
+
+def test_accepting_the_bound_reads_nothing(reads):
+    bound = torch.tensor([v + 3 for v in KV])
+    md = captured(Q, KV, "meta", seq_lens_cpu_upper_bound=bound, **HOST)
+    rows = model.describe_batch(md).phase_rows(exact=False)
+    assert reads == [] and rows["decode"].kv_lens == (43, 12) and not rows["decode"].kv_lens_exact
 
 
 def test_without_host_copies_one_read_serves_the_step(reads):
