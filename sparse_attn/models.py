@@ -43,7 +43,7 @@ __all__ = ["ASSETS", "MANIFEST", "ModelAsset", "default_dir", "install_model", "
 #: The file in each converted checkpoint that says what it is and holds every file's SHA-256.
 MANIFEST = "sparse_attn_model.json"
 #: Bumped when the conversion changes what it writes (an older checkpoint is then rebuilt).
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _CHUNK = 1 << 20
 
 
@@ -116,7 +116,7 @@ ASSETS: dict[str, ModelAsset] = {
             # The package's data/SHA256SUMS.
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             locate=_gemma3_gguf,
-            notes="base model (no chat template); its GGUF tokenizer splits words more finely than Google's",
+            notes="base model (no chat template); every prompt starts with <bos>",
         ),
     )
 }
@@ -163,10 +163,26 @@ def _portable_tokenizer(staging: Path, gguf_tok: dict[str, Any], context_length:
       transformers' GGUF conversion writes the GPT-2 regex alone, which keeps `` 1`` as one token.
     * ``tokenizer.model``: ``save_pretrained`` writes the whole GGUF again under that name
       (98 / 253 MB); the fast tokenizer never reads it.
+    * BOS: added by the post-processor exactly when the GGUF's ``add_bos_token`` says so, as llama.cpp does.
     * the chat template is the GGUF's own, in ``tokenizer_config.json`` (both versions read it there).
     """
     tok_json = staging / "tokenizer.json"
     data = json.loads(tok_json.read_text(encoding="utf-8"))
+    tokens = list(gguf_tok.get("tokens") or [])
+    bos_id = gguf_tok.get("bos_token_id")
+    # BOS exactly as llama.cpp adds it: when the GGUF's add_bos_token says so (Gemma 3: <bos>, which
+    # the model was trained to see first) and never otherwise. transformers 4.57 writes a post-processor
+    # that prepends SmolLM2's <|im_start|> although its GGUF says false (then the chat template's ids
+    # start with it twice); transformers 5 writes one that adds nothing, for Gemma too.
+    single: list[dict] = [{"Sequence": {"id": "A", "type_id": 0}}]
+    pair: list[dict] = [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}]
+    special: dict = {}
+    if gguf_tok.get("add_bos_token") and bos_id is not None and 0 <= int(bos_id) < len(tokens):
+        bos = tokens[int(bos_id)]
+        single.insert(0, {"SpecialToken": {"id": bos, "type_id": 0}})
+        pair.insert(0, {"SpecialToken": {"id": bos, "type_id": 0}})
+        special = {bos: {"id": bos, "ids": [int(bos_id)], "tokens": [bos]}}
+    data["post_processor"] = {"type": "TemplateProcessing", "single": single, "pair": pair, "special_tokens": special}
     if gguf_tok.get("pre") == "smollm":
         data["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
             {"type": "Digits", "individual_digits": True},
@@ -175,7 +191,6 @@ def _portable_tokenizer(staging: Path, gguf_tok: dict[str, Any], context_length:
     tok_json.write_text(json.dumps(data, ensure_ascii=False, indent=2), encoding="utf-8")
 
     old = json.loads((staging / "tokenizer_config.json").read_text(encoding="utf-8"))
-    tokens = list(gguf_tok.get("tokens") or [])
 
     def token(key: str) -> str | None:
         idx = gguf_tok.get(f"{key}_token_id")

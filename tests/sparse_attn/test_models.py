@@ -81,8 +81,9 @@ def test_config_matches_the_gguf(smol_ckpt, tmp_path):
             cfg["max_position_embeddings"]) == (meta["llama.block_count"], meta["llama.attention.head_count"],
                                                 meta["llama.attention.head_count_kv"], meta["llama.embedding_length"],
                                                 meta["llama.context_length"])
-    # Both spellings, so transformers 4 (rope_theta, else 10000) and 5 (rope_parameters) agree.
-    assert cfg["rope_theta"] == meta["llama.rope.freq_base"] == cfg["rope_parameters"]["rope_theta"]
+    # transformers 4 reads rope_theta (else silently 10000), 5 rope_parameters: both spellings agree.
+    assert cfg["rope_theta"] == meta["llama.rope.freq_base"]
+    assert cfg.get("rope_parameters", {"rope_theta": cfg["rope_theta"]})["rope_theta"] == cfg["rope_theta"]
     config = transformers.AutoConfig.from_pretrained(str(smol_ckpt))
     theta = getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"]
     assert theta == meta["llama.rope.freq_base"]
@@ -153,7 +154,7 @@ def test_killed_conversion_leaves_nothing(tmp_path):
 def test_tokenizer_matches_the_gguf_vocabulary(smol_ckpt, smol_reference, text):
     tok = transformers.AutoTokenizer.from_pretrained(str(smol_ckpt))
     assert type(tok).__name__ in ("PreTrainedTokenizerFast", "TokenizersBackend")
-    assert tok.encode(text) == smol_reference.encode(text)
+    assert tok.encode(text) == smol_reference.encode(text)  # add_bos_token is false in this GGUF: nothing prepended
     assert tok.decode(tok.encode(text)) == text
 
 
@@ -178,3 +179,4 @@ def test_gemma_tokenizer_matches_the_gguf_vocabulary(gemma_ckpt, tmp_path_factor
     reference = GGUFReferenceTokenizer(_gguf_fields("gemma-3-270m", tmp_path_factory.mktemp("gguf-gemma")))
     tok = transformers.AutoTokenizer.from_pretrained(str(gemma_ckpt))
     assert tok.encode(text, add_special_tokens=False) == reference.encode(text)
+    assert tok.encode(text) == [reference.ids["<bos>"], *reference.encode(text)]  # the GGUF's add_bos_token
