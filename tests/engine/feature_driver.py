@@ -28,19 +28,33 @@ def prompts(vocab: int) -> list[list[int]]:
     return out
 
 
+def _chosen(step: dict, token: int) -> float:
+    """The logprob vLLM reports for ``token`` at one position."""
+    return float(step[token].logprob)
+
+
 def serve(ckpt: str, kv_cache_dtype: str, max_tokens: int) -> dict:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=ckpt, dtype="float32", max_model_len=1024, enforce_eager=True, kv_cache_memory_bytes=64 << 20,
               enable_prefix_caching=False, seed=0, kv_cache_dtype=kv_cache_dtype)
     vocab = llm.llm_engine.model_config.get_vocab_size()
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    # logprobs of every prompt token (prefill attention at every position) and of each generated one
+    # (decode): on random checkpoints, whose greedy tokens repeat, these are what tells layers apart
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0, prompt_logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts(vocab)], params, use_tqdm=False)
     try:
         stats = llm.collective_rpc("sparse_attn_stats")
     except Exception as exc:  # noqa: BLE001 - reported, the test decides
         stats = {"unavailable": str(exc)}
-    report = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "stats": stats}
+    report = {
+        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "prompt_logprobs": [[_chosen(step, tok) for step, tok in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])]
+                            for o in outputs],
+        "logprobs": [[_chosen(step, tok) for step, tok in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                     for o in outputs],
+        "stats": stats,
+    }
     del llm
     gc.collect()
     return report
