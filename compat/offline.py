@@ -25,6 +25,8 @@ class Generation:
     token_ids: tuple[int, ...]
     text: str
     prompt_logprobs: tuple[tuple[float, int] | None, ...] | None
+    #: Per generated step, the top-``logprobs`` tokens' log-probabilities (token id -> logprob), when requested.
+    step_logprobs: tuple[dict[int, float], ...] | None = None
 
 
 def eval_engine_kwargs(*, model: str, dtype: str, max_model_len: int, seed: int, backend: str | None = None,
@@ -43,11 +45,14 @@ def eval_engine_kwargs(*, model: str, dtype: str, max_model_len: int, seed: int,
     return kwargs
 
 
-def sampling_params(*, max_tokens: int, prompt_logprobs: int | None = None, ignore_eos: bool = True) -> Any:
-    """Greedy sampling of ``max_tokens`` tokens; ``prompt_logprobs=0`` returns each prompt token's own logprob and rank."""
+def sampling_params(*, max_tokens: int, prompt_logprobs: int | None = None, logprobs: int | None = None,
+                    ignore_eos: bool = True) -> Any:
+    """Greedy sampling of ``max_tokens`` tokens; ``prompt_logprobs=0`` returns each prompt token's own logprob and
+    rank; ``logprobs=k`` the top-k of every generated step."""
     from vllm import SamplingParams
 
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos, prompt_logprobs=prompt_logprobs)
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos, prompt_logprobs=prompt_logprobs,
+                          logprobs=logprobs)
 
 
 def _logprob(entry: Any, token: int) -> tuple[float, int] | None:
@@ -70,6 +75,9 @@ def generate(llm: Any, prompts: Sequence[Sequence[int]], params: Any) -> list[Ge
         plp = out.prompt_logprobs
         logprobs = None if plp is None else tuple(_logprob(plp[i], ids[i]) for i in range(len(ids)))
         first = out.outputs[0]
+        steps = None
+        if first.logprobs is not None:
+            steps = tuple({int(t): float(lp.logprob) for t, lp in step.items()} for step in first.logprobs)
         results.append(Generation(prompt_token_ids=ids, token_ids=tuple(int(t) for t in first.token_ids),
-                                  text=first.text, prompt_logprobs=logprobs))
+                                  text=first.text, prompt_logprobs=logprobs, step_logprobs=steps))
     return results

@@ -60,6 +60,11 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     add("--plot", default=None, metavar="PATH", help="write one PNG per phase (PATH_prefill.png, PATH_decode.png)")
     add("--seed", type=int, default=0, help="seed for synthetic data and vLLM (default 0)")
     add("--num_candidates", "--num-candidates", type=int, default=24, help="candidate thresholds per phase (default 24)")
+    add("--calib_set", "--calib-set", choices=("synthetic", "tasks"), default="synthetic",
+        help="synthetic: the RULER-style generator (needles, variable tracking over repeated noise, coded-word "
+             "frequencies, QA); tasks: the kinds of prompt `sparse-attn eval` scores (natural-text needles, QA, "
+             "variable tracking, common words), chat-wrapped, from calibration's own random stream. Sparsity at one "
+             "threshold differs by kind of prompt (the report's spread_by_task): calibrate on what you serve")
     add("--chat_template", "--chat-template", choices=("auto", "on", "off"), default="auto",
         help="wrap each synthetic prompt in the tokenizer's chat template as one user turn (auto: when it has one; "
              "a chat model is served chat turns, and sparsity depends on what the prompt looks like)")
@@ -98,8 +103,8 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
                    help="smollm2-135m-instruct (default; ~6-8 min on 2 cores) or tiny (a random 2-layer Llama; ~2.5 min)")
     p.add_argument("--workdir", default="./sparse-attn-demo", help="where the checkpoint and results go (default ./sparse-attn-demo)")
     p.add_argument("--target_sparse_ratio", "--target-sparse-ratio", type=float, default=0.5)
-    p.add_argument("--calib_samples", "--calib-samples", type=int, default=16)
-    p.add_argument("--calib_max_seqlen", "--calib-max-seqlen", type=int, default=2048)
+    p.add_argument("--calib_samples", "--calib-samples", type=int, default=None, help="default 10 (SmolLM2) / 16 (tiny)")
+    p.add_argument("--calib_max_seqlen", "--calib-max-seqlen", type=int, default=None, help="default 1536 (SmolLM2) / 2048 (tiny)")
     p.add_argument("--decode_tokens", "--decode-tokens", type=int, default=16)
     p.add_argument("--port", type=int, default=0, help="server port on 127.0.0.1 (default: a free one)")
     p.add_argument("--seed", type=int, default=0)
@@ -132,6 +137,8 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="eval seed; eval prompts never coincide with calibration's for any seed (default 0)")
     p.add_argument("--dtype", default="float32", help="model dtype for vLLM (default float32)")
     p.add_argument("--attention_backend", "--attention-backend", default=None, help="vLLM attention backend (default: vLLM's choice)")
+    p.add_argument("--teacher_forced", "--teacher-forced", action="store_true",
+                   help="also prefill each prompt + its answer to score every answer token (a second prefill per prompt)")
     p.add_argument("--output", default="./sparse_attn_eval.json", help="JSON report (default ./sparse_attn_eval.json)")
     p.add_argument("--workdir", default=None, help="keep each engine's job, output and log here (default: a temporary directory)")
 

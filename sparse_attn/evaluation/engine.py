@@ -9,8 +9,11 @@ vLLM engine, runs each cell twice, and writes ``OUT``:
    (``ignore_eos``: every configuration decodes the same number of steps); wall time and, with the
    plugin, the workers' tile counters per phase for exactly this batch (read and reset through the
    stats RPC around it);
-2. **teacher-forced**: prompt + answer tokens, one new token, ``prompt_logprobs=0``: each answer
-   token's logprob and rank given the true tokens before it.
+   with the top-``TOP_K`` log-probabilities of the first generated step (the distribution the answer
+   is read from: its first token's logprob and the KL against dense come from it, at no extra cost);
+2. **teacher-forced** (``teacher_forced`` in the job, ``--teacher_forced``): prompt + answer tokens, one new
+   token, ``prompt_logprobs=0``: each answer token's logprob and rank given the true tokens before it (a
+   second prefill of every prompt: on CPU it doubles the run).
 
 A fresh process per configuration: every engine starts from the same state (no compiled kernels,
 caches or plugin state carried over), and the plugin reads ``SPARSE_ATTN_*`` at start-up.
@@ -26,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 PROGRESS_PREFIX = "EVAL-PROGRESS"
+#: Top log-probabilities kept of the first generated step.
+TOP_K = 20
 
 
 def _phase_counts(snapshots: list[dict]) -> dict[str, dict[str, int]]:
@@ -57,7 +62,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     if sparse:
         snap = stats()
         layers = [[s["layers_installed"], s["layers_total"]] for s in snap]
-    gen_params = offline.sampling_params(max_tokens=job["decode_tokens"])
+    gen_params = offline.sampling_params(max_tokens=job["decode_tokens"], logprobs=TOP_K)
     tf_params = offline.sampling_params(max_tokens=1, prompt_logprobs=0)
     cells = []
     total = len(job["cells"])
@@ -66,14 +71,18 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         gens = offline.generate(llm, cell["prompts"], gen_params)
         gen_s = time.monotonic() - t
         gen_counts = _phase_counts(stats()) if sparse else None
-        t = time.monotonic()
-        forced = offline.generate(llm, [p + a for p, a in zip(cell["prompts"], cell["answer_ids"])], tf_params)
-        tf_s = time.monotonic() - t
-        tf_counts = _phase_counts(stats()) if sparse else None
+        forced, tf_s, tf_counts = None, 0.0, None
+        if job.get("teacher_forced"):
+            t = time.monotonic()
+            forced = offline.generate(llm, [p + a for p, a in zip(cell["prompts"], cell["answer_ids"])], tf_params)
+            tf_s = time.monotonic() - t
+            tf_counts = _phase_counts(stats()) if sparse else None
         cells.append({
             "task": cell["task"], "length": cell["length"],
             "generated": [list(g.token_ids) for g in gens], "text": [g.text for g in gens],
-            "answer_logprobs": [[list(x) for x in f.prompt_logprobs[len(p):]] for f, p in zip(forced, cell["prompts"])],
+            "first_step": [{str(k): v for k, v in (g.step_logprobs or ({},))[0].items()} for g in gens],
+            "answer_logprobs": None if forced is None else
+            [[list(x) for x in f.prompt_logprobs[len(p):]] for f, p in zip(forced, cell["prompts"])],
             "generate_s": gen_s, "teacher_forced_s": tf_s, "counts": gen_counts, "teacher_forced_counts": tf_counts,
         })
         print(f"{PROGRESS_PREFIX} {k + 1} {total}", flush=True)

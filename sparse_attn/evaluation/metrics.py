@@ -4,10 +4,13 @@ Per sample (inputs from :mod:`sparse_attn.evaluation.engine`):
 
 * ``match``: fraction of the sample's answers found in the generated text (RULER's
   ``string_match_all``; 0 or 1 for one answer);
-* ``answer_ll``: mean log-likelihood per answer token, teacher-forced (nats/token; closer to 0 is
-  better); a low-variance measure: it moves with every change in the answer's probability, where
-  ``match`` moves only when a token flips;
-* ``forced_exact``: every answer token is the model's argmax given the true tokens before it;
+* ``first_lp``: log-probability of the answer's first token where the answer is read (the first
+  generated step; from its top-20, a token outside it counts as the 20th's value); a low-variance
+  measure: it moves with every change in the answer's probability, where ``match`` moves only when a
+  token flips;
+* ``kl``: KL(dense || sparse) of that step's next-token distribution (nats, over dense's top-20);
+* ``answer_ll`` / ``forced_exact`` (``--teacher_forced``): mean log-likelihood per answer token given the
+  true tokens before it, and whether every answer token is the argmax there;
 * ``agreement``: generated tokens equal to dense's at the same position / tokens generated.
 
 A cell's sparse score is shown with its paired difference to dense over the same prompts and a
@@ -35,16 +38,29 @@ def mean_ci(values: Sequence[float]) -> tuple[float | None, float | None]:
     return mean, Z95 * math.sqrt(var / n)
 
 
-def sample_scores(cell: dict[str, Any], answers: Sequence[Sequence[str]]) -> list[dict[str, float]]:
-    """Per-sample scores of one engine cell; ``answers[i]``: the answers of sample ``i``."""
+def _kl(dense: dict[str, float], sparse: dict[str, float]) -> float:
+    """KL(dense || sparse) in nats over dense's top-k tokens; a token missing from sparse's top-k is given
+    sparse's smallest top-k logprob (an upper bound on its logprob, so the KL is a lower bound)."""
+    floor = min(sparse.values())
+    return sum(math.exp(lp) * (lp - sparse.get(t, floor)) for t, lp in dense.items())
+
+
+def sample_scores(cell: dict[str, Any], answers: Sequence[Sequence[str]], answer_ids: Sequence[Sequence[int]],
+                  dense_cell: dict[str, Any] | None = None) -> list[dict[str, float]]:
+    """Per-sample scores of one engine cell; ``answers[i]`` / ``answer_ids[i]``: sample ``i``'s answers and
+    answer tokens; ``dense_cell``: the native run of the same cell (for the KL)."""
     out = []
-    for text, logprobs, wanted in zip(cell["text"], cell["answer_logprobs"], answers):
-        lps = [lp for lp, _rank in logprobs]
-        out.append({
-            "match": sum(a in text for a in wanted) / len(wanted),
-            "answer_ll": sum(lps) / len(lps),
-            "forced_exact": float(all(rank == 1 for _lp, rank in logprobs)),
-        })
+    for i, (text, wanted, ids) in enumerate(zip(cell["text"], answers, answer_ids)):
+        first = cell["first_step"][i]
+        score = {"match": sum(a in text for a in wanted) / len(wanted),
+                 "first_lp": first.get(str(ids[0]), min(first.values())) if first else float("nan")}
+        if dense_cell is not None and first and dense_cell["first_step"][i]:
+            score["kl"] = _kl(dense_cell["first_step"][i], first)
+        if cell.get("answer_logprobs"):
+            logprobs = cell["answer_logprobs"][i]
+            score["answer_ll"] = sum(lp for lp, _rank in logprobs) / len(logprobs)
+            score["forced_exact"] = float(all(rank == 1 for _lp, rank in logprobs))
+        out.append(score)
     return out
 
 
@@ -64,9 +80,11 @@ def sparsity(counts: dict[str, dict[str, int]] | None) -> dict[str, float | None
 def summarise(scores: list[dict[str, float]], dense_scores: list[dict[str, float]] | None) -> dict[str, Any]:
     """Means (with 95 % half-widths) of each score, and paired differences against dense when given."""
     out: dict[str, Any] = {"n": len(scores)}
-    for key in ("match", "answer_ll", "forced_exact"):
+    for key in ("match", "first_lp", "answer_ll", "forced_exact", "kl"):
+        if not scores or key not in scores[0]:
+            continue
         out[key], out[key + "_ci"] = mean_ci([s[key] for s in scores])
-        if dense_scores is not None:
+        if dense_scores is not None and key != "kl":
             out["d_" + key], out["d_" + key + "_ci"] = mean_ci([s[key] - d[key] for s, d in zip(scores, dense_scores)])
     return out
 

@@ -11,9 +11,11 @@ from typing import Any
 LEGEND = """\
 match        fraction of answers found in the greedy output (RULER string_match_all), mean over prompts
  (delta)     sparse minus dense on the same prompts, in points, +- its 95 % interval (paired)
-answer LL    teacher-forced mean log-likelihood of the answer tokens (nats/token; 0 is certain);
+first LP     log-probability of the answer's first token where the answer is read (first generated step;
+             nats; 0 is certain): moves with the answer's probability, where match moves only when a token flips
  (delta)     sparse minus dense, paired; negative = the answer became less likely
-forced       fraction of prompts whose every answer token is the argmax given the true ones before it
+KL           KL(dense || sparse) of that step's next-token distribution (nats, over dense's top 20)
+answer LL    with --teacher_forced: mean log-likelihood of all answer tokens given the true ones before them
 agree        greedy tokens equal to dense at the same position / tokens generated (prefix: before the first difference)
 sparsity     KV tiles skipped / visited in the generate batches, per phase (the workers' counters)
 gen s        wall time of the generate batches (native vLLM vs the plugin, same engine settings, same run)"""
@@ -66,13 +68,15 @@ def render(report: dict[str, Any]) -> str:
         sp = a.get("sparsity") or {}
         rows.append([
             _target(c), str(a["n"]), _pct(a["match"]), _delta(a.get("d_match"), a.get("d_match_ci")),
-            f"{a['answer_ll']:.3f}", _delta(a.get("d_answer_ll"), a.get("d_answer_ll_ci"), 1.0, 3),
-            _pct(a["forced_exact"]), _pct(a["agreement"]) if not c["native"] else "-",
+            f"{a['first_lp']:.3f}", _delta(a.get("d_first_lp"), a.get("d_first_lp_ci"), 1.0, 3),
+            f"{a['kl']:.4f}" if a.get("kl") is not None else "-",
+            _delta(a.get("d_answer_ll"), a.get("d_answer_ll_ci"), 1.0, 3) if "answer_ll" in a else "-",
+            _pct(a["agreement"]) if not c["native"] else "-",
             _pct(sp.get("prefill")) if sp else "-", _pct(sp.get("decode")) if sp else "-",
             f"{a['generate_s']:.1f} ({a['generate_s'] / native_s:.2f}x)" if native_s else f"{a['generate_s']:.1f}",
             _layers(c),
         ])
-    header = ["target", "n", "match %", "(delta pts)", "answer LL", "(delta)", "forced %", "agree %",
+    header = ["target", "n", "match %", "(delta pts)", "first LP", "(delta)", "KL", "answer LL delta", "agree %",
               "prefill sp %", "decode sp %", "gen s (x native)", "layers"]
     out = [f"=== sparse-attn eval: {report['checkpoint']} | tasks {', '.join(report['tasks'])} | lengths "
            f"{', '.join(map(str, report['lengths']))} | {report['samples_per_cell']} prompts per cell | "
@@ -83,11 +87,11 @@ def render(report: dict[str, Any]) -> str:
         for r, d in zip(c["cells"], dense["cells"]):
             sp = r.get("sparsity") or {}
             detail.append([r["task"], str(r["length"]), str(r["n"]), _pct(d["match"], 0), _pct(r["match"], 0),
-                           _delta(r.get("d_match"), r.get("d_match_ci"), digits=0), f"{d['answer_ll']:.2f}",
-                           _delta(r.get("d_answer_ll"), r.get("d_answer_ll_ci"), 1.0, 3), _pct(r["agreement"], 0),
+                           _delta(r.get("d_match"), r.get("d_match_ci"), digits=0), f"{d['first_lp']:.2f}",
+                           _delta(r.get("d_first_lp"), r.get("d_first_lp_ci"), 1.0, 3), _pct(r["agreement"], 0),
                            _pct(sp.get("prefill")), _pct(sp.get("decode"))])
         out += ["", f"target {_target(c)} per task and length (dense beside it):",
-                _table(detail, ["task", "len", "n", "dense match", "match", "(delta)", "dense LL", "LL delta", "agree",
+                _table(detail, ["task", "len", "n", "dense match", "match", "(delta)", "dense first LP", "first LP delta", "agree",
                                 "prefill sp", "decode sp"])]
     load = report.get("load_average")
     out += ["", LEGEND, f"load average at the end: {', '.join(f'{x:.1f}' for x in load)}" if load else ""]

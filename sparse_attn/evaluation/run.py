@@ -154,6 +154,7 @@ def evaluate(args) -> int:
     base_job = {"checkpoint": str(ckpt), "dtype": args.dtype, "max_model_len": max_model_len, "seed": args.seed,
                 "backend": args.attention_backend, "decode_tokens": args.decode_tokens,
                 "kv_cache_bytes": _kv_cache_bytes(model_cfg, args.samples * (max_model_len + 16)),
+                "teacher_forced": bool(args.teacher_forced),
                 "cells": [{k: c[k] for k in ("task", "length", "prompts", "answer_ids")} for c in cells]}
     configs = [("dense", None)] + [(f"target {t:g}" if t is not None else "as calibrated", _section_at(config, t)) for t in targets]
     results: dict[str, dict] = {}
@@ -178,7 +179,9 @@ def _assemble(cells, configs, results, targets, config, args, samples) -> dict[s
     """The JSON report: per configuration, per cell and pooled over all cells (see metrics)."""
     dense = results["dense"]
     answers = {(c["task"], c["length"]): c["answers"] for c in cells}
-    dense_scores = {(c["task"], c["length"]): metrics.sample_scores(c, answers[(c["task"], c["length"])]) for c in dense["cells"]}
+    answer_ids = {(c["task"], c["length"]): c["answer_ids"] for c in cells}
+    dense_scores = {(c["task"], c["length"]): metrics.sample_scores(c, answers[(c["task"], c["length"])],
+                                                                    answer_ids[(c["task"], c["length"])]) for c in dense["cells"]}
     out_configs = []
     for (label, section), target in zip(configs, [None] + list(targets)):
         res = results[label]
@@ -188,8 +191,8 @@ def _assemble(cells, configs, results, targets, config, args, samples) -> dict[s
         gen_s = tf_s = 0.0
         for cell, dcell in zip(res["cells"], dense["cells"]):
             key = (cell["task"], cell["length"])
-            scores = metrics.sample_scores(cell, answers[key])
             is_dense = section is None
+            scores = metrics.sample_scores(cell, answers[key], answer_ids[key], None if is_dense else dcell)
             summary = metrics.summarise(scores, None if is_dense else dense_scores[key])
             equal, prefix, total = metrics.agreement(cell["generated"], dcell["generated"])
             rows.append({"task": key[0], "length": key[1], **summary,

@@ -15,9 +15,10 @@ Tasks (our own templates, after the RULER categories):
 ``common_words``  a list of words in which a few are far more frequent, asked for the three most frequent;
 ``qa``            many short documents about invented organisations, asked one fact.
 
-Held out: every sample's random stream is keyed ``sparse-attn-eval:SEED:TASK:LENGTH:I`` while the
-calibration generator's is ``sparse-attn-calib:SEED:I:TASK`` (:mod:`sparse_attn.calibration.synthetic`),
-so no seed of one reproduces a prompt of the other. Lengths count the whole prompt (template included).
+Held out: every sample's random stream is keyed ``sparse-attn-eval:SEED:TASK:LENGTH:I``; calibration's
+are ``sparse-attn-calib:SEED:I:TASK`` (:mod:`sparse_attn.calibration.synthetic`) and, for
+``--calib_set tasks`` (these kinds of prompt), ``sparse-attn-calib:SEED:TASK:LENGTH:I``: no seed of one
+reproduces a prompt of another. Lengths count the whole prompt (template included).
 """
 
 from __future__ import annotations
@@ -154,10 +155,18 @@ def _answer_text(task: str, answers: Sequence[str]) -> str:
     return " " + (", ".join(answers) if len(answers) > 1 else answers[0])
 
 
+#: Random streams: the eval's, and calibration's ``--calib_set tasks`` (same kinds of prompt, other prompts).
+STREAMS = ("eval", "calib")
+
+
 def build_samples(tokenizer: Any, *, tasks: Sequence[str], lengths: Sequence[int], per_cell: int, seed: int,
-                  reserve: int = 32, progress: Any = None) -> list[EvalSample]:
+                  reserve: int = 32, progress: Any = None, stream: str = "eval") -> list[EvalSample]:
     """``per_cell`` samples for each (task, length): each prompt as long as the haystack granularity
-    allows within ``length - reserve`` tokens (``reserve``: room for the answer and the decode steps)."""
+    allows within ``length - reserve`` tokens (``reserve``: room for the answer and the decode steps).
+    ``stream``: ``eval`` (held out) or ``calib`` (calibration on the same kinds of prompt); no seed of
+    one stream reproduces a prompt of the other."""
+    if stream not in STREAMS:
+        raise CalibrationDataError(f"unknown stream {stream!r}; expected one of {STREAMS}")
     unknown = [t for t in tasks if t not in _BUILDERS]
     if unknown:
         raise CalibrationDataError(f"unknown eval task(s) {unknown}; choose from {list(EVAL_TASKS)}")
@@ -165,7 +174,7 @@ def build_samples(tokenizer: Any, *, tasks: Sequence[str], lengths: Sequence[int
     for task in tasks:
         for length in lengths:
             for i in range(per_cell):
-                rng = random.Random(f"sparse-attn-eval:{seed}:{task}:{length}:{i}")
+                rng = random.Random(f"sparse-attn-{stream}:{seed}:{task}:{length}:{i}")
                 build = _BUILDERS[task](rng)
 
                 def prompt_of(n: int, _b=build):

@@ -82,14 +82,22 @@ def test_mean_ci_matches_hand_computation():
 
 
 def test_scores_and_agreement():
-    cell = {"text": [" 4821937 is it", " no idea", " A, C"], "answer_logprobs": [[[-0.1, 1], [-0.3, 1]], [[-2.0, 3]], [[-0.5, 1], [-1.5, 2]]]}
-    scores = metrics.sample_scores(cell, [["4821937"], ["1234567"], ["A", "B", "C"]])
+    top = lambda **lp: {str(k[1:]): v for k, v in lp.items()}  # t7=-0.1 -> {"7": -0.1}
+    cell = {"text": [" 4821937 is it", " no idea", " A, C"],
+            "first_step": [top(t7=-0.1, t8=-2.5), top(t9=-0.2, t8=-3.0), top(t5=-0.5, t6=-1.0)],
+            "answer_logprobs": [[[-0.1, 1], [-0.3, 1]], [[-2.0, 3]], [[-0.5, 1], [-1.5, 2]]]}
+    dense = {"first_step": [top(t7=-0.05, t8=-3.0), top(t9=-0.2, t8=-3.0), top(t5=-0.4, t4=-1.2)]}
+    scores = metrics.sample_scores(cell, [["4821937"], ["1234567"], ["A", "B", "C"]], [[7, 1], [8], [5, 6]], dense)
     assert [s["match"] for s in scores] == [1.0, 0.0, pytest.approx(2 / 3)]
+    assert [s["first_lp"] for s in scores] == [-0.1, -3.0, -0.5]
     assert [s["forced_exact"] for s in scores] == [1.0, 0.0, 0.0]
     assert scores[0]["answer_ll"] == pytest.approx(-0.2)
+    assert scores[1]["kl"] == pytest.approx(0.0)
+    # token 4 is missing from sparse's top-k: it gets sparse's smallest logprob (-1.0)
+    assert scores[2]["kl"] == pytest.approx(math.exp(-0.4) * (-0.4 + 0.5) + math.exp(-1.2) * (-1.2 + 1.0))
     assert metrics.agreement([[1, 2, 3], [4, 5, 6]], [[1, 9, 3], [4, 5, 6]]) == (5, 4, 6)
-    s = metrics.summarise(scores, [{"match": 1.0, "answer_ll": 0.0, "forced_exact": 1.0}] * 3)
-    assert s["n"] == 3 and s["d_match"] == pytest.approx((0 - 1 + (2 / 3 - 1)) / 3)
+    s = metrics.summarise(scores, [{"match": 1.0, "first_lp": 0.0, "answer_ll": 0.0, "forced_exact": 1.0}] * 3)
+    assert s["n"] == 3 and s["d_match"] == pytest.approx((0 - 1 + (2 / 3 - 1)) / 3) and "kl" in s and "d_kl" not in s
 
 
 def _snap(installed, total, native):
@@ -123,3 +131,51 @@ def test_chat_wrapped_calibration_prompts_fit_their_bins():
         ids = list(s.prompt_token_ids)
         assert ids[0] == 9999 and ids.count(9999) == 1 and ids[-1] == 9998
         assert len(ids) <= s.target_len - 16
+
+
+def test_report_puts_dense_beside_every_sparse_number(tmp_path):
+    """_assemble + render on two engines' outputs (native, then a target): pooled and per-cell rows."""
+    from types import SimpleNamespace
+
+    from sparse_attn.evaluation.report import render
+    from sparse_attn.evaluation.run import _assemble
+
+    cells = [{"task": "niah_single", "length": 1024, "prompts": [[1, 2, 3], [4, 5]], "answer_ids": [[7], [8]],
+              "answers": [["123"], ["456"]]}]
+
+    def engine(texts, first, counts, gen_s):
+        return {"engine_start_s": 1.0, "layers": [[30, 30]] if counts else None, "cells": [{
+            "task": "niah_single", "length": 1024, "generated": [[7, 1], [8, 2]], "text": texts,
+            "first_step": first, "answer_logprobs": None, "generate_s": gen_s, "teacher_forced_s": 0.0,
+            "counts": counts, "teacher_forced_counts": None}]}
+
+    dense = engine([" 123", " 456"], [{"7": -0.1}, {"8": -0.2}], None, 2.0)
+    counts = {"prefill": {"skipped": 50, "visited": 100, "launches": 1, "native_launches": 0, "dense_launches": 0},
+              "decode": {"skipped": 30, "visited": 60, "launches": 2, "native_launches": 0, "dense_launches": 0}}
+    sparse = engine([" 123", " 999"], [{"7": -0.1}, {"8": -1.2}], counts, 3.0)
+    config = SimpleNamespace(calibrated_phases=("prefill", "decode"))
+    args = SimpleNamespace(checkpoint="ckpt", seed=0, samples=2, decode_tokens=2)
+    report = _assemble(cells, [("dense", None), ("target 0.5", {"x": 1})], {"dense": dense, "target 0.5": sparse},
+                       [0.5], config, args, None)
+    pooled = report["configs"][1]["all"]
+    assert pooled["match"] == 0.5 and pooled["d_match"] == -0.5 and pooled["sparsity"] == {"prefill": 0.5, "decode": 0.5}
+    assert pooled["d_first_lp"] == pytest.approx(-0.5) and pooled["kl"] == pytest.approx(math.exp(-0.2) * 1.0 / 2)
+    text = render(report)
+    assert "dense" in text and "0.5" in text and "(1.50x)" in text and "30/30 layers sparse" in text
+
+
+def test_calib_set_tasks_is_its_own_stream_over_every_kind():
+    """--calib_set tasks: the eval's kinds, round-robin over kinds and bins, none of the eval's prompts."""
+    from types import SimpleNamespace
+
+    from sparse_attn.calibration.cli import _task_samples
+
+    tok = ChatTokenizer()
+    args = SimpleNamespace(calib_samples=12, calib_min_seqlen=512, decode_tokens=16, seed=0)
+    plan = SimpleNamespace(calib_max_seqlen=1024)
+    calib = _task_samples(args, plan, tok)
+    assert len(calib) == 12 and {s.task for s in calib} == set(EVAL_TASKS)
+    assert {s.target_len for s in calib} == {1024, 512}
+    assert all(len(s.prompt_token_ids) <= s.target_len - 16 for s in calib)
+    held_out = build_samples(tok, tasks=EVAL_TASKS, lengths=[1024, 512], per_cell=2, seed=0)
+    assert not {s.prompt_token_ids for s in calib} & {s.prompt_token_ids for s in held_out}
