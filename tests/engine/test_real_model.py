@@ -37,8 +37,10 @@ DECODE_TOKENS = 16
 CALIB_ARGS = ["--calib_set", "tasks", "--calib_samples", "10", "--calib_max_seqlen", "2048", "--calib_min_seqlen", "1024",
               "--decode_tokens", str(DECODE_TOKENS), "--dtype", "float32", "--seed", "0",
               "--target_sparse_ratio", str(TARGET), "--update_checkpoint_config"]
-EVAL_ARGS = ["--tasks", "niah_single,niah_multikey,qa", "--lengths", "1024,2048", "--samples", "2",
-             "--decode_tokens", str(DECODE_TOKENS), "--seed", "0"]
+#: Every kind calibration saw (``--calib_set tasks``): the target holds for the calibration's mix, pooled; a
+#: subset of kinds lands elsewhere (niah + qa only: 44.8 % prefill, measured; README "What to calibrate on").
+EVAL_ARGS = ["--tasks", "niah_single,niah_multikey,variable_tracking,common_words,qa", "--lengths", "1024,2048",
+             "--samples", "1", "--decode_tokens", str(DECODE_TOKENS), "--seed", "0"]
 
 
 def _run(cmd: list[str], log: Path, timeout: int) -> None:
