@@ -104,6 +104,27 @@ def sparsity(margin, anchor, lam: float) -> tuple[int, int]:
     return int(((margin < lam) & ~anchor).sum()), int(margin.numel())
 
 
+#: thresholds tried (lambda itself: the normalisation only maps a scale to it), and those printed
+LAMBDAS = sorted({round(10 ** (x / 8), 10) for x in range(-40, 0)} | {0.5, 0.9, 0.99})
+SHOWN = {1e-4, 1e-3, 1e-2, 0.1, 0.5, 0.9, 0.99}
+
+
+def _crossing(lams, curve, target):
+    """The lambda (log-interpolated) where ``curve`` first reaches ``target``, or None."""
+    for i, v in enumerate(curve):
+        if v >= target:
+            if i == 0:
+                return lams[0]
+            lo, hi = math.log(lams[i - 1]), math.log(lams[i])
+            frac = (target - curve[i - 1]) / (v - curve[i - 1]) if v != curve[i - 1] else 0.0
+            return math.exp(lo + frac * (hi - lo))
+    return None
+
+
+def _fmt(x):
+    return f"{x:9.3g}" if x is not None else "  never (lambda < 1)"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("ckpt")
@@ -117,52 +138,43 @@ def main(argv=None) -> int:
     torch.set_num_threads(2)
     tok = AutoTokenizer.from_pretrained(args.ckpt)
     model = AutoModelForCausalLM.from_pretrained(args.ckpt, torch_dtype=torch.float32).eval()
-    scales = [math.exp(x / 4) for x in range(-8, 49)]                  # 0.14 ... 160000
-    print(f"# {args.ckpt}: target {args.target}, scales {scales[0]:.3g}..{scales[-1]:.3g}, torch {torch.__version__}")
+    print(f"# {args.ckpt}: target {args.target}, lambdas {LAMBDAS[0]:.2g}..{LAMBDAS[-1]:.2g}, torch {torch.__version__}")
     for length in (int(x) for x in args.lengths.split(",")):
         t0 = time.time()
-        # counts[(phase, kind, norm)] -> [skipped per scale], visited
-        counts: dict[tuple[str, str, str], list] = {}
+        lam_counts: dict[tuple[str, str], list] = {}   # (phase, kind) -> [skipped per lambda], visited
+        windows = []
         for ids in prompts(tok, length, args.prompts):
             for layer, (q, k, scaling, window) in capture(model, ids).items():
                 kind = "windowed" if window else "global"
+                if window:
+                    windows.append(window)
                 group = q.shape[0] // k.shape[0]
-                for phase, rows in (("prefill", slice(0, length)), ("decode", None)):
+                for phase in ("prefill", "decode"):
                     for h in range(q.shape[0]):
                         if phase == "prefill":
-                            margin, anchor = tile_stats(q[h], k[h // group], scaling, window, rows)
-                            kv = [length]
+                            margin, anchor = tile_stats(q[h], k[h // group], scaling, window, slice(0, length))
                         else:  # each of the last rows alone, as a decode step at kv_len = p + 1
                             parts = [tile_stats(q[h], k[h // group][: p + 1], scaling, window, slice(p, p + 1))
                                      for p in range(length - args.decode_rows, length)]
                             margin, anchor = torch.cat([m for m, _ in parts]), torch.cat([a for _, a in parts])
-                            kv = [length]  # within 64 positions of length: one normalisation per prompt
-                        for norm in ("kv", "window"):
-                            n = kv[0] if norm == "kv" or not window else min(kv[0], window)
-                            entry = counts.setdefault((phase, kind, norm), [[0] * len(scales), 0])
-                            for i, scale in enumerate(scales):
-                                skipped, visited = sparsity(margin, anchor, scale / n)
-                                entry[0][i] += skipped
-                            entry[1] += margin.numel()
+                        entry = lam_counts.setdefault((phase, kind), [[0] * len(LAMBDAS), 0])
+                        for i, lam in enumerate(LAMBDAS):
+                            entry[0][i] += sparsity(margin, anchor, lam)[0]
+                        entry[1] += margin.numel()
         print(f"\n## length {length} ({args.prompts} prompts, {time.time() - t0:.0f} s)")
         for phase in ("prefill", "decode"):
-            for norm in ("kv", "window"):
-                glob = counts[(phase, "global", norm)]
-                win = counts[(phase, "windowed", norm)]
-                g = [s / glob[1] for s in glob[0]]
-                w = [s / win[1] for s in win[0]]
-                i = next((j for j, v in enumerate(g) if v >= args.target), None)
-                if i is None:
-                    print(f"{phase:7} {norm:6}: global layers never reach {args.target:.0%} (max {max(g):.1%})")
-                    continue
-                lo = max(i - 1, 0)
-                frac = 0.0 if i == lo or g[i] == g[lo] else (args.target - g[lo]) / (g[i] - g[lo])
-                log_s = math.log(scales[lo]) + frac * (math.log(scales[i]) - math.log(scales[lo]))
-                w_at = w[lo] + frac * (w[i] - w[lo])
-                j = next((j for j, v in enumerate(w) if v >= args.target), None)
-                print(f"{phase:7} {norm:6}: global hits {args.target:.0%} at scale {math.exp(log_s):9.3g}; windowed there "
-                      f"{w_at:6.1%}; windowed hits it at scale {scales[j] if j is not None else float('nan'):9.3g} "
-                      f"(tiles: global {glob[1]}, windowed {win[1]})")
+            at = {}
+            for kind in ("global", "windowed"):
+                skipped, visited = lam_counts[(phase, kind)]
+                curve = [x / visited for x in skipped]
+                at[kind] = _crossing(LAMBDAS, curve, args.target)
+                shown = ", ".join(f"{lam:g}: {v:5.1%}" for lam, v in zip(LAMBDAS, curve) if lam in SHOWN)
+                print(f"{phase:7} {kind:8} ({visited} tiles) sparsity at lambda {shown}")
+            for norm, n_win in (("kv", length), ("window", min(length, windows[0]) if windows else length)):
+                scale_g = at["global"] * length if at["global"] else None
+                scale_w = at["windowed"] * n_win if at["windowed"] else None
+                print(f"{phase:7} scale for {args.target:.0%} with lambda = scale / {'kv_len' if norm == 'kv' else 'min(kv_len, w)'}: "
+                      f"global {_fmt(scale_g)}, windowed {_fmt(scale_w)}")
         sys.stdout.flush()
     return 0
 
