@@ -30,7 +30,7 @@ _IMPLS = ("auto", "torch", "triton")
 
 def _backend(impl: str, batch: PagedBatch):
     if impl not in _IMPLS:
-        fail("impl", repr(impl), f"one of {_IMPLS}")
+        fail("impl (the implementation)", repr(impl), f"one of {_IMPLS}")
     device = batch.query.device if isinstance(batch, PagedBatch) and isinstance(batch.query, torch.Tensor) else None
     if impl == "auto":
         impl = "triton" if device is not None and device.type == "cuda" else "torch"
