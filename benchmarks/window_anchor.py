@@ -15,7 +15,9 @@ skip decisions per (head, query tile, KV tile) with one split spanning the windo
 512-token window spans at most two 1024-token splits, so splits barely matter here), the
 tile sparsity, and the attention output's error against dense attention (relative L2 per
 row, averaged), for prefill query tiles of 64 rows and for single-row decodes at the last
-positions.  It prints the error each anchor has at equal tile sparsity.
+positions.  It prints the error each anchor has at equal tile sparsity, and the sparsity
+each lambda reaches, for the windowed layers and, beside them, the full-attention layers
+(there ``first`` is tile 0, the kernels' anchor of a full row).
 
     python benchmarks/window_anchor.py CKPT_DIR --tokens 4096 --decodes 256
 
@@ -42,17 +44,15 @@ LAMBDAS = torch.logspace(-6, 0, 49).tolist()
 
 def record_attention(ckpt: str, n_tokens: int):
     """Run the model once on ``n_tokens`` tokens of this repository's own documentation;
-    return ``{layer: (q [H, T, D], k [Hkv, T, D], v [Hkv, T, D], scaling, window)}`` for its
-    sliding-window layers."""
+    return ``{layer: (q [H, T, D], k [Hkv, T, D], v [Hkv, T, D], scaling, window or None)}``."""
     from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     seen = {}
 
     def record(module, query, key, value, attention_mask, scaling=None, sliding_window=None, **kw):
-        if sliding_window:
-            seen[module.layer_idx] = (query[0].detach().clone(), key[0].detach().clone(), value[0].detach().clone(),
-                                      float(scaling), int(sliding_window))
+        seen[module.layer_idx] = (query[0].detach().clone(), key[0].detach().clone(), value[0].detach().clone(),
+                                  float(scaling), int(sliding_window) if sliding_window else None)
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       sliding_window=sliding_window, **kw)
 
@@ -75,7 +75,7 @@ def tile_stats(q, k, v, scale, window, rows_of, anchor):
     out = []
     for r0, r1 in rows_of:
         pos = torch.arange(r0, r1 + 1)
-        lo = (pos - window + 1).clamp(min=0)
+        lo = (pos - window + 1).clamp(min=0) if window else torch.zeros_like(pos)
         first, last = int(lo[0]) // TILE_K, r1 // TILE_K
         cols = torch.arange(first * TILE_K, (last + 1) * TILE_K)
         n_t = last - first + 1
@@ -107,8 +107,8 @@ def tile_stats(q, k, v, scale, window, rows_of, anchor):
         idx = order[:, None, :].expand(-1, num.shape[1], -1)
         cnum = num.gather(2, idx[..., None].expand(-1, -1, -1, num.shape[-1])).cumsum(2)
         cden = den.gather(2, idx).cumsum(2)
-        dense = cnum[:, :, -1]
         o = cnum / cden[..., None]                                                  # [H, R, k, D], k = 1..n_t
+        dense = o[:, :, -1]                                                         # every tile kept
         err = ((o - dense[:, :, None]).norm(dim=-1) / dense.norm(dim=-1)[..., None]).sum(1)   # [H, n_t]
         out.append((ratio, err, s.shape[1]))
     return out
@@ -148,19 +148,23 @@ def main(argv=None):
     p.add_argument("--decodes", type=int, default=256, help="single-row decodes at the last positions")
     a = p.parse_args(argv)
     t0 = time.perf_counter()
-    layers = record_attention(a.checkpoint, a.tokens)
-    print(f"recorded {len(layers)} windowed layers of {a.checkpoint} at {a.tokens} tokens "
-          f"[{time.perf_counter() - t0:.0f} s, load {os.getloadavg()[0]:.1f}]")
+    recorded = record_attention(a.checkpoint, a.tokens)
+    kinds = {"windowed": {i: x for i, x in recorded.items() if x[4]},
+             "full": {i: x for i, x in recorded.items() if not x[4]}}
+    layers = kinds["windowed"]
+    print(f"recorded {len(layers)} windowed and {len(kinds['full'])} full-attention layers of {a.checkpoint} at "
+          f"{a.tokens} tokens [{time.perf_counter() - t0:.0f} s, load {os.getloadavg()[0]:.1f}]")
     t = a.tokens
     phases = {"prefill": [(r0, min(t, r0 + TILE_Q) - 1) for r0 in range(0, t, TILE_Q)],
               "decode": [(r, r) for r in range(t - a.decodes, t)]}
     curves = {}
-    for phase, rows_of in phases.items():
-        for anchor in ("first", "diagonal"):
-            stats = []
-            for q, k, v, scale, window in layers.values():
-                stats += tile_stats(q, k, v, scale, window, rows_of, anchor)
-            curves[phase, anchor] = curve(stats)
+    for kind, group in kinds.items():
+        for phase, rows_of in phases.items():
+            for anchor in ("first", "diagonal"):
+                stats = []
+                for q, k, v, scale, window in group.values():
+                    stats += tile_stats(q, k, v, scale, window, rows_of, anchor)
+                curves[kind, phase, anchor] = curve(stats)
     # Sanity: the "first" anchor is the kernels' rule (one split spanning the window).
     q, k, v, scale, window = next(iter(layers.values()))
     cache = lambda x: x.transpose(0, 1).contiguous().view(t // 16, 16, x.shape[0], x.shape[2])   # noqa: E731
@@ -172,11 +176,15 @@ def main(argv=None):
     mine_sk = [sum(int((r < lam).sum()) for r, _, _ in mine) for lam in LAMBDAS]
     print(f"kernel counts == this script's 'first' anchor on layer {next(iter(layers))}: "
           f"{mine_sk == sk.sum(1).tolist()} (visited {int(vis[0])} per head)")
-    print("\n| phase | anchor | error at 30% | 50% | 70% | 90% tile sparsity | lambda at 50% |")
-    print("|---|---|---|---|---|---|---|")
-    for (phase, anchor), pts in curves.items():
+    print("\n| layers | phase | anchor | sparsity at lambda 1e-3 / 1e-2 / 0.1 / 0.5 | error at 30% | 50% | 70% | "
+          "90% tile sparsity | lambda at 50% |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for (kind, phase, anchor), pts in curves.items():
         cells = [at_sparsity(pts, s) for s in (0.3, 0.5, 0.7, 0.9)]
-        print(f"| {phase} | {anchor} | " + " | ".join(f"{e:.2e}" for e, _ in cells) + f" | {cells[1][1]:.2e} |")
+        at = [pts[min(range(len(LAMBDAS)), key=lambda i: abs(math.log(LAMBDAS[i] / lam)))][0]
+              for lam in (1e-3, 1e-2, 0.1, 0.5)]
+        print(f"| {kind} | {phase} | {anchor} | " + " / ".join(f"{x:.0%}" for x in at) + " | "
+              + " | ".join(f"{e:.2e}" for e, _ in cells) + f" | {cells[1][1]:.2e} |")
     print(f"\n[{time.perf_counter() - t0:.0f} s, load {os.getloadavg()[0]:.1f}]")
 
 
