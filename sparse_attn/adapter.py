@@ -25,6 +25,8 @@ were). Per launch (``forward(*args, **kwargs)``, normalised by
 * in calibration mode, the dense counting kernel for a grid of candidate scale
   factors, integer counts per phase (always eager: calibration runs enforce_eager).
 
+Each layer's ``LayerSpec`` (window, soft-cap, sink logits, fp8 scales: ``layer_spec``) is built
+once at install from compat's ``LayerFeatures``; every launch of the layer passes it to the kernels.
 New tokens are stored through ``compat.cache_writer`` when the release's
 forward path owns the write (exactly once: never when the native path ran,
 which writes for itself). Nothing here knows a vLLM release or a cache layout.
@@ -42,6 +44,7 @@ import compat
 from compat import model as cmodel
 from compat import worker as cworker
 from sparse_attn.kernels import BatchMeta, LayerSpec, PagedBatch, effective_lambda, paged_attention, paged_attention_counts
+from sparse_attn.kernels import support
 from sparse_attn.protocol import PHASES
 from sparse_attn.stats import DEVICE_COUNTER_INDEX, STATS, WorkerStats
 
@@ -71,10 +74,23 @@ class Policy:
 
 def make_sparse(layer: Any, info: cmodel.LayerInfo, policy: Policy, stats: WorkerStats = STATS) -> Any:
     """Replace ``layer.impl`` by a sparse impl carrying its state; returns the new impl.
-    Raises ``compat.ImplReplacementError`` when the impl cannot be replaced."""
+    Raises ``compat.ImplReplacementError`` when the impl cannot be replaced, ``ValueError`` for a
+    layer ``kernels.support.unsupported`` refuses (the plugin keeps those native)."""
     return cworker.replace_impl(layer, SparseAttentionMixin, {
         "_sa_info": info, "_sa_policy": policy, "_sa_stats": stats, "_sa_writer": compat.cache_writer(info.backend),
+        "_sa_spec": layer_spec(layer, info),
     })
+
+
+def layer_spec(layer: Any, info: cmodel.LayerInfo) -> LayerSpec:
+    """The layer's ``LayerSpec``, built once at install from compat's ``LayerFeatures``: its window,
+    soft-cap, sink logits (the impl's ``[num_heads]`` tensor as loaded; install runs after the
+    weights are) and, for an fp8 cache, the layer's own ``k_scale`` / ``v_scale`` tensors (0-d,
+    on its device, updated in place by vLLM: the kernels read them on the device, so a scale
+    vLLM computes at the first forward is the one they use)."""
+    k_scale, v_scale = cmodel.layer_kv_scales(layer)
+    return support.spec_for(info.features, scale=info.scale, sinks=cmodel.layer_sinks(layer),
+                            k_scale=k_scale, v_scale=v_scale)
 
 
 class SparseAttentionMixin:
@@ -84,6 +100,7 @@ class SparseAttentionMixin:
     _sa_policy: Policy
     _sa_stats: WorkerStats
     _sa_writer: Callable[..., None] | None
+    _sa_spec: LayerSpec
 
     def forward(self, *args, **kwargs):
         call = cworker.describe_call(*args, **kwargs)
@@ -135,7 +152,7 @@ class SparseAttentionMixin:
         result, skipped, visited = paged_attention(
             PagedBatch(q, key_cache, value_cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
                        max_query_len=int(batch.max_query_len)),
-            LayerSpec(self._sa_info.scale), threshold=lam, return_counts=True, out=out, check=False,
+            self._sa_spec, threshold=lam, return_counts=True, out=out, check=False,
         )
         self._sa_stats.add_device(DECODE, _launch_counts(lam, skipped, visited))
         if result is not out:  # the kernel returns ``out`` itself; a copy only if an impl did not
@@ -159,7 +176,7 @@ class SparseAttentionMixin:
 
         self._sa_stats.count_call()
         q, out, key_cache, value_cache = self._views(call, batch)
-        spec = LayerSpec(self._sa_info.scale)
+        spec = self._sa_spec
         for phase, rows in phases.items():
             if policy.calibration_scales is not None:
                 # Calibration feeds one sequence at a time, and a candidate's lambda

@@ -557,3 +557,56 @@ def test_a_prefill_step_reads_the_device_at_most_once_over_all_layers(host, read
     assert len(launches) == 2 * 4 * 2, "one launch per phase, per layer, per step"
     assert all(layer.impl.forward_calls == 0 for layer in layers)
     assert {phase for phase, _ in stats.device_counts} == {"decode", "prefill"}
+
+
+# --------------------------------------------------------------------------- layer features (LayerSpec per layer)
+def featured_reference(query, kv_cache, md, window, soft_cap, sinks):
+    """float64 attention of the meaning compat reports (``LayerFeatures``): a row at position p sees
+    keys [p - w + 1, p]; logits ``cap * tanh(s / cap)``; one sink logit per query head in the
+    denominator only. Written here, independent of the kernels and their reference."""
+    k_cache, v_cache = compat.kv_cache_views(kv_cache, head_size=D, backend="CPU_ATTN", isa="vec")
+    starts, lens = md.query_start_loc.tolist(), md.seq_lens.tolist()
+    out = torch.empty(query.shape, dtype=torch.float64)
+    for s, kv_len in enumerate(lens):
+        blocks = md.block_table[s, : (kv_len + N - 1) // N]
+        k = k_cache[blocks].reshape(-1, HKV, D)[:kv_len].double().repeat_interleave(HQ // HKV, dim=1)
+        v = v_cache[blocks].reshape(-1, HKV, D)[:kv_len].double().repeat_interleave(HQ // HKV, dim=1)
+        q = query[starts[s] : starts[s + 1]].double()
+        for i in range(q.shape[0]):
+            p = kv_len - q.shape[0] + i
+            keys = torch.arange(max(0, p - window + 1), p + 1)
+            logits = torch.einsum("hd,khd->hk", q[i], k[keys]) * SCALE
+            logits = soft_cap * torch.tanh(logits / soft_cap)
+            weights = torch.exp(logits - logits.max(dim=1, keepdim=True).values)
+            sink = torch.exp(sinks.double() - logits.max(dim=1).values)
+            out[starts[s] + i] = torch.einsum("hk,khd->hd", weights, v[keys]) / (weights.sum(dim=1) + sink)[:, None]
+    return out
+
+
+@pytest.mark.parametrize("q_lens, kv_lens", [
+    pytest.param([1, 20, 1], [40, 50, 9], id="mixed"),
+    pytest.param([1, 1, 1], [40, 64, 9], id="uniform-decode"),
+])
+def test_a_layer_with_window_soft_cap_and_sinks_is_served_with_its_spec(q_lens, kv_lens, kernel_calls):
+    """The adapter builds the layer's LayerSpec once from compat's features and the layer's own sink
+    tensor; prefill and decode launches compute that layer's attention (float64 reference), and a
+    window shorter than the context really drops keys (the plain causal answer differs)."""
+    gen = torch.Generator().manual_seed(3)
+    query, key, value, kv_cache, md = build_batch(gen, q_lens=q_lens, kv_lens=kv_lens)
+    window, soft_cap = 16, 5.0
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    info = dataclasses.replace(INFO, features=cmodel.LayerFeatures(sliding_window=window, logits_soft_cap=soft_cap,
+                                                                    has_sinks=True))
+    layer = types.SimpleNamespace(impl=NativeImpl(), isa="vec")
+    layer.impl.sinks = sinks
+    impl = make_sparse(layer, info, Policy(scale_factors={"decode": 1e-10, "prefill": 1e-10}, stats_interval_s=0),
+                       WorkerStats())
+    spec = impl._sa_spec
+    assert (spec.sliding_window, spec.logits_soft_cap, spec.sinks) == (window, soft_cap, sinks)
+    output = torch.zeros_like(query)
+    impl.forward(layer, query, key, value, kv_cache, md, output)
+    assert layer.impl.forward_calls == 0 and len(kernel_calls) >= 1
+    n = md.num_actual_tokens
+    want = featured_reference(query[:n], kv_cache, md, window, soft_cap, sinks)
+    torch.testing.assert_close(output[:n].double(), want, rtol=1e-5, atol=1e-5)
+    assert (output[:n] - dense(query[:n], kv_cache, md)).abs().max() > 1e-2, "the features changed nothing"

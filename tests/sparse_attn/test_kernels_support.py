@@ -18,14 +18,25 @@ def test_unquantised_caches_are_served(dtype):
     assert support.unsupported(LayerFeatures(kv_cache_dtype=dtype)) == ()
 
 
+@pytest.mark.parametrize("features", [
+    pytest.param(LayerFeatures(sliding_window=512), id="window"),
+    pytest.param(LayerFeatures(logits_soft_cap=50.0), id="soft-cap"),
+    pytest.param(LayerFeatures(has_sinks=True), id="sinks"),
+    pytest.param(LayerFeatures(kv_cache_dtype="fp8_e4m3"), id="fp8-e4m3"),
+    pytest.param(LayerFeatures(kv_cache_dtype="fp8_e5m2"), id="fp8-e5m2"),
+    pytest.param(LayerFeatures(sliding_window=128, logits_soft_cap=30.0, has_sinks=True, kv_cache_dtype="fp8_e4m3"),
+                 id="all-four"),
+])
+def test_the_features_real_models_have_are_served(features):
+    assert support.unsupported(features) == ()
+
+
 @pytest.mark.parametrize("features, reason", [
-    pytest.param(LayerFeatures(sliding_window=512), "sliding window 512", id="window"),
-    pytest.param(LayerFeatures(logits_soft_cap=50.0), "logits soft-cap 50.0", id="soft-cap"),
-    pytest.param(LayerFeatures(has_sinks=True), "attention sinks", id="sinks"),
-    pytest.param(LayerFeatures(kv_cache_dtype="fp8_e4m3"), "quantised KV cache (fp8_e4m3)", id="fp8"),
+    pytest.param(LayerFeatures(kv_cache_dtype="fp8_inc"), "quantised KV cache (fp8_inc)", id="fp8-inc"),
     pytest.param(LayerFeatures(alibi=True), "ALiBi", id="alibi"),
     pytest.param(LayerFeatures(kv_sharing=True), "KV sharing", id="kv-sharing"),
     pytest.param(LayerFeatures(attn_type="encoder"), "attention type encoder", id="encoder"),
+    pytest.param(LayerFeatures(attn_type="encoder_decoder"), "attention type encoder_decoder", id="cross"),
     pytest.param(LayerFeatures(mla=True), "MLA", id="mla"),
 ])
 def test_each_refusal_is_named(features, reason):
@@ -33,8 +44,19 @@ def test_each_refusal_is_named(features, reason):
 
 
 def test_refusals_combine_in_a_fixed_order():
-    features = LayerFeatures(sliding_window=128, has_sinks=True)
-    assert support.unsupported(features) == ("sliding window 128", "attention sinks")
+    features = LayerFeatures(sliding_window=128, alibi=True, kv_sharing=True)
+    assert support.unsupported(features) == ("ALiBi", "KV sharing")
+
+
+@pytest.fixture
+def none_served(monkeypatch):
+    monkeypatch.setattr(support, "SERVED", {k: False for k in support.SERVED})
+
+
+def test_a_feature_switched_off_is_refused_by_name(none_served):
+    features = LayerFeatures(sliding_window=128, logits_soft_cap=50.0, has_sinks=True, kv_cache_dtype="fp8_e5m2")
+    assert support.unsupported(features) == (
+        "sliding window 128", "logits soft-cap 50.0", "attention sinks", "quantised KV cache (fp8_e5m2)")
 
 
 # --------------------------------------------------------------------------- spec_for: features -> LayerSpec
