@@ -89,7 +89,7 @@ def layer_spec(layer: Any, info: cmodel.LayerInfo) -> LayerSpec:
     on its device, updated in place by vLLM: the kernels read them on the device, so a scale
     vLLM computes at the first forward is the one they use)."""
     k_scale, v_scale = cmodel.layer_kv_scales(layer)
-    return support.spec_for(info.features, scale=info.scale, sinks=cmodel.layer_sinks(layer),
+    return support.spec_for(info.features, scale=info.scale, sink_logits=cmodel.layer_sinks(layer),
                             k_scale=k_scale, v_scale=v_scale)
 
 

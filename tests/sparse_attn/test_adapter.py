@@ -602,7 +602,7 @@ def test_a_layer_with_window_soft_cap_and_sinks_is_served_with_its_spec(q_lens, 
     impl = make_sparse(layer, info, Policy(scale_factors={"decode": 1e-10, "prefill": 1e-10}, stats_interval_s=0),
                        WorkerStats())
     spec = impl._sa_spec
-    assert (spec.sliding_window, spec.logits_soft_cap, spec.sinks) == (window, soft_cap, sinks)
+    assert (spec.window, spec.soft_cap, spec.sink_logits) == (window, soft_cap, sinks)
     output = torch.zeros_like(query)
     impl.forward(layer, query, key, value, kv_cache, md, output)
     assert layer.impl.forward_calls == 0 and len(kernel_calls) >= 1
