@@ -27,6 +27,7 @@ from sparse_attn.config import (
     SparseAttentionConfigError,
     read_section,
 )
+from sparse_attn.kernels.api import describe_cpu_kernel
 from sparse_attn.protocol import CALIBRATION_ENV, PHASES, STATS_RPC
 from sparse_attn.stats import STATS
 
@@ -173,14 +174,23 @@ def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, ra
         "targets": list(config.group.targets) if config else ["all (calibration)"],
         "native": reasons,
         "cuda_graphs": {b: d.describe() for b, d in graphs.installed().items() if b in backends},
+        # Which skip-softmax kernel runs the CPU layers (built or loaded here, once per worker).
+        "cpu_kernel": describe_cpu_kernel() if installed and _on_cpu(model) else None,
     }
     STATS.set_install(summary, tuple(sorted(owners)))
     logger.info(
-        "sparse-attn[rank %d]: %d/%d attention layers sparse, backend %s, layout %s, cache writer %s, mode %s, targets %s%s",
+        "sparse-attn[rank %d]: %d/%d attention layers sparse, backend %s, layout %s, cache writer %s, mode %s, targets %s%s%s",
         rank, installed, len(layers), ",".join(summary["backends"]) or "-", summary["layout"], summary["cache_writer"],
         summary["mode"], summary["targets"], f", native: {reasons}" if reasons else "",
+        f", CPU kernel {summary['cpu_kernel']}" if summary["cpu_kernel"] else "",
     )
     return summary
+
+
+def _on_cpu(model: Any) -> bool:
+    """True when the model's weights live on the CPU (its attention then runs a CPU kernel)."""
+    param = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
+    return param is not None and param.device.type == "cpu"
 
 
 def _unsupported_reason(info: cmodel.LayerInfo, report: compat.CompatReport) -> str | None:

@@ -2,26 +2,91 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 import torch
 
-from . import torch_impl
+from . import cpu_impl, torch_impl
 from ._common import BatchMeta, check_seq_threshold, check_split, check_thresholds, validate
 
-_IMPLS = ("auto", "torch", "triton")
+logger = logging.getLogger("sparse_attn")
+
+_IMPLS = ("auto", "torch", "compiled", "triton")
 #: ``count_thresholds`` marker of ``paged_attention(return_counts=True)``: count under the serving lambda.
 _SERVING = object()
+_warned: set[str] = set()
 
 
-def _backend(impl: str, query: torch.Tensor) -> str:
+def cpu_kernel(query: torch.Tensor | None = None, key_cache: torch.Tensor | None = None) -> str:
+    """The one rule that picks the kernel for CPU tensors (``impl="auto"``): ``"compiled"`` or ``"torch"``.
+
+    ``SPARSE_ATTN_CPU_KERNEL=torch`` -> torch; ``=compiled`` -> compiled (raises
+    ``CpuKernelUnavailable`` when it cannot be built here); ``=auto`` (default) -> compiled when
+    it builds or loads here (:func:`cpu_impl.status`, once per process) and takes the shapes
+    (:func:`cpu_impl.supports`: head size a multiple of 8, fp32/bf16/fp16), else torch, with one
+    warning line per process when the build is what failed.  Without tensors, the answer for
+    shapes the compiled kernel takes.
+    """
+    from compat import envs
+
+    choice = envs.get("SPARSE_ATTN_CPU_KERNEL")
+    if choice == "torch":
+        return "torch"
+    shapes_ok = query is None or cpu_impl.supports(query, key_cache)
+    if choice == "compiled":
+        _require_compiled(query, key_cache)
+        return "compiled"
+    st = cpu_impl.status()
+    if not st.available:
+        if "unavailable" not in _warned:
+            _warned.add("unavailable")
+            logger.warning("sparse-attn: compiled CPU kernel unavailable (%s); the torch kernel serves. Fix: install a "
+                           "C++ compiler (g++ or clang++) or point CXX at one; SPARSE_ATTN_CPU_KERNEL=torch silences "
+                           "this", st.reason)
+        return "torch"
+    return "compiled" if shapes_ok else "torch"
+
+
+def describe_cpu_kernel() -> str:
+    """Which kernel serves CPU tensors in this process and why, for the plugin's install line
+    (builds or loads the compiled kernel, once; raises like :func:`cpu_kernel` when
+    ``SPARSE_ATTN_CPU_KERNEL=compiled`` cannot be honoured)."""
+    from compat import envs
+
+    choice = envs.get("SPARSE_ATTN_CPU_KERNEL")
+    if cpu_kernel() == "torch":
+        return "torch (SPARSE_ATTN_CPU_KERNEL=torch)" if choice == "torch" else cpu_impl.status().describe()
+    return cpu_impl.status().describe() + (" (SPARSE_ATTN_CPU_KERNEL=compiled)" if choice == "compiled" else "")
+
+
+def _require_compiled(query, key_cache) -> None:
+    st = cpu_impl.status()
+    if not st.available:
+        raise cpu_impl.cpu_build.CpuKernelUnavailable(
+            f"paged_attention: the compiled CPU kernel was asked for (impl='compiled' or SPARSE_ATTN_CPU_KERNEL="
+            f"compiled) but is unavailable: {st.reason}. Fix: install a C++ compiler or set CXX, or use "
+            f"SPARSE_ATTN_CPU_KERNEL=auto / torch")
+    if query is not None and not cpu_impl.supports(query, key_cache):
+        raise ValueError(f"paged_attention: the compiled CPU kernel takes CPU fp32/bf16/fp16 tensors with a head size "
+                         f"that is a multiple of 8, got {query.dtype} on {query.device}, head size {query.shape[-1]}; "
+                         f"use impl='torch' (or SPARSE_ATTN_CPU_KERNEL=auto)")
+
+
+def _backend(impl: str, query: torch.Tensor, key_cache: torch.Tensor) -> str:
     if impl not in _IMPLS:
         raise ValueError(f"paged_attention: impl: got {impl!r}, expected one of {_IMPLS}")
     if impl == "auto":
-        return "triton" if query.device.type == "cuda" else "torch"
-    if impl == "torch" and query.device.type != "cpu":
-        raise ValueError(f"paged_attention: impl='torch' needs CPU tensors, got device {query.device}")
+        return "triton" if query.device.type == "cuda" else cpu_kernel(query, key_cache)
+    if impl in ("torch", "compiled") and query.device.type != "cpu":
+        raise ValueError(f"paged_attention: impl={impl!r} needs CPU tensors, got device {query.device}")
+    if impl == "compiled":
+        _require_compiled(query, key_cache)
     return impl
+
+
+#: The CPU implementations; both take the same arguments and return the same outputs.
+_CPU_FORWARD = {"torch": torch_impl.forward, "compiled": cpu_impl.forward}
 
 
 def _unchecked_lambda(threshold, num_seqs: int, device) -> float | torch.Tensor:
@@ -50,7 +115,7 @@ def _run(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, 
     ``_SERVING`` (count under the serving lambda) or the caller's candidate lambdas.
     ``check=False``: no validation and no host read of device data (capture-safe)."""
     split_k = check_split(split_k)
-    backend = _backend(impl, query)
+    backend = _backend(impl, query, key_cache)
     if not check:
         num_seqs = seq_lens.shape[0]
         lam = _unchecked_lambda(threshold, num_seqs, query.device)
@@ -63,11 +128,11 @@ def _run(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, 
             n = count_thresholds.shape[0] if count_thresholds is not None else 0
             return out, torch.zeros(n, query.shape[1], dtype=torch.int64, device=query.device), \
                 torch.zeros(query.shape[1], dtype=torch.int64, device=query.device)
-        if backend == "torch":
+        if backend in _CPU_FORWARD:
             meta = _host_meta(query, key_cache, seq_lens, query_start_loc)
-            return torch_impl.forward(query, key_cache, value_cache, block_table, meta, scale=float(scale),
-                                      causal=causal, threshold=lam, count_thresholds=count_thresholds, out=out,
-                                      split_k=split_k)
+            return _CPU_FORWARD[backend](query, key_cache, value_cache, block_table, meta, scale=float(scale),
+                                         causal=causal, threshold=lam, count_thresholds=count_thresholds, out=out,
+                                         split_k=split_k)
         from . import triton_impl
 
         return triton_impl.forward(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, None,
@@ -92,10 +157,10 @@ def _run(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, 
         n = count_thresholds.shape[0] if count_thresholds is not None else 0
         return out, torch.zeros(n, hq, dtype=torch.int64, device=query.device), \
             torch.zeros(hq, dtype=torch.int64, device=query.device)
-    if backend == "torch":
-        return torch_impl.forward(query, key_cache, value_cache, block_table, meta, scale=float(scale),
-                                  causal=causal, threshold=threshold, count_thresholds=count_thresholds, out=out,
-                                  split_k=split_k)
+    if backend in _CPU_FORWARD:
+        return _CPU_FORWARD[backend](query, key_cache, value_cache, block_table, meta, scale=float(scale),
+                                     causal=causal, threshold=threshold, count_thresholds=count_thresholds, out=out,
+                                     split_k=split_k)
     from . import triton_impl  # imported lazily: triton is optional, and tests set TRITON_INTERPRET first
 
     return triton_impl.forward(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, meta,
@@ -143,7 +208,8 @@ def paged_attention(
             fp32; new values never recompile the Triton kernel.
         causal: mask KV positions after each query's position.
         out: optional ``[T, Hq, D]`` output buffer of the query's dtype.
-        impl: ``"auto"`` (Triton for CUDA tensors, torch otherwise), ``"torch"``, ``"triton"``.
+        impl: ``"auto"`` (Triton for CUDA tensors; for CPU tensors the kernel :func:`cpu_kernel`
+            picks), ``"torch"``, ``"compiled"`` (the C++ CPU kernel), ``"triton"``.
         return_counts: also return per-head tile counts.
         split_k: KV positions per split of the skip rule (``None`` = ``SPLIT_K``; a
             multiple of ``TILE_K``).  The dense running max restarts from KV tile 0's

@@ -1,0 +1,165 @@
+"""Compiled CPU implementation of skip-softmax paged attention (``csrc/skip_attn_cpu.cpp``).
+
+Same contract as :func:`sparse_attn.kernels.torch_impl.forward` (arguments, outputs, counts),
+the same tile geometry and skip rule (``_common``), over the same zero-copy cache views with
+any strides.  The library is compiled on first use (:mod:`.cpu_build`); :func:`status` says
+whether it is available here and why not.  Kernel choice is :func:`sparse_attn.kernels.api.cpu_kernel`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from . import cpu_build
+from ._common import SPLIT_K, TILE_K, BatchMeta
+
+logger = logging.getLogger("sparse_attn")
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+class _Call(ctypes.Structure):
+    """Mirror of ``struct SaCall`` in csrc/skip_attn_cpu.cpp (same order, same C types)."""
+
+    _fields_ = [
+        ("abi", ctypes.c_int32), ("dtype", ctypes.c_int32),
+        ("num_seqs", ctypes.c_int32), ("num_q_heads", ctypes.c_int32), ("num_kv_heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32), ("page_size", ctypes.c_int32),
+        ("causal", ctypes.c_int32), ("split_tiles", ctypes.c_int32), ("num_threads", ctypes.c_int32),
+        ("num_counts", ctypes.c_int32), ("bt_is64", ctypes.c_int32),
+        ("scale", ctypes.c_float),
+        ("q", ctypes.c_void_p), ("q_st", ctypes.c_int64), ("q_sh", ctypes.c_int64), ("q_sd", ctypes.c_int64),
+        ("out", ctypes.c_void_p), ("o_st", ctypes.c_int64), ("o_sh", ctypes.c_int64), ("o_sd", ctypes.c_int64),
+        ("k", ctypes.c_void_p), ("k_sb", ctypes.c_int64), ("k_st", ctypes.c_int64), ("k_sh", ctypes.c_int64),
+        ("k_sd", ctypes.c_int64),
+        ("v", ctypes.c_void_p), ("v_sb", ctypes.c_int64), ("v_st", ctypes.c_int64), ("v_sh", ctypes.c_int64),
+        ("v_sd", ctypes.c_int64),
+        ("bt", ctypes.c_void_p), ("bt_s0", ctypes.c_int64), ("bt_s1", ctypes.c_int64),
+        ("seq_info", ctypes.c_void_p), ("lam", ctypes.c_void_p), ("count_lam", ctypes.c_void_p),
+        ("skipped", ctypes.c_void_p), ("visited", ctypes.c_void_p),
+    ]
+
+
+@dataclass(frozen=True)
+class Status:
+    """Whether the compiled kernel serves in this process: ``available``, and either its
+    ``target`` (``avx2`` / ``generic``) / ``path`` / ``build_s`` (seconds this process spent
+    compiling; None = cached) or the ``reason`` it is not available."""
+
+    available: bool
+    target: str | None = None
+    path: str | None = None
+    build_s: float | None = None
+    reason: str | None = None
+
+    def describe(self) -> str:
+        if not self.available:
+            return f"torch (compiled kernel unavailable: {self.reason})"
+        how = "cached" if self.build_s is None else f"built in {self.build_s:.1f} s"
+        return f"compiled ({self.target}, {how}, {self.path})"
+
+
+_state: dict = {}
+_state_lock = threading.Lock()
+
+
+def status() -> Status:
+    """Build or load the library once per process; never raises."""
+    if "status" not in _state:
+        with _state_lock:
+            if "status" not in _state:
+                try:
+                    built = cpu_build.load()
+                    _state["lib"] = built.lib
+                    _state["status"] = Status(True, built.target, str(built.path), built.build_s)
+                except (cpu_build.CpuKernelUnavailable, OSError) as exc:
+                    _state["status"] = Status(False, reason=str(exc))
+    return _state["status"]
+
+
+def reset_for_tests() -> None:
+    """Forget this process's build/load result (the next :func:`status` loads again)."""
+    with _state_lock:
+        _state.clear()
+
+
+def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Shapes the compiled kernel takes: head sizes that are a multiple of 8 (every head size
+    vLLM's CPU attention accepts is), float32 / bfloat16 / float16, CPU tensors."""
+    return query.device.type == "cpu" and query.dtype in _DTYPES and query.shape[-1] % 8 == 0 \
+        and key_cache.dtype == query.dtype
+
+
+def forward(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    meta: BatchMeta,
+    *,
+    scale: float,
+    causal: bool,
+    threshold: float | torch.Tensor,
+    count_thresholds: torch.Tensor | None,
+    out: torch.Tensor,
+    split_k: int = SPLIT_K,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Fill ``out`` [T, Hq, D] and return ``(out, skipped, visited)``: exactly
+    :func:`torch_impl.forward`'s contract (``threshold`` a float or float32 ``[S]``;
+    ``count_thresholds`` float32 ``[n, S]`` or None; counts int64 ``[n, Hq]`` / ``[Hq]``).
+
+    Needs :func:`status` ``().available`` and :func:`supports`; threads: ``torch.get_num_threads()``.
+    """
+    lib = _state.get("lib")
+    if lib is None:
+        if not status().available:
+            raise cpu_build.CpuKernelUnavailable(status().reason)
+        lib = _state["lib"]
+    num_seqs = len(meta.seq_lens)
+    hq = meta.num_q_heads
+    seq_info = torch.tensor([meta.seq_lens, meta.q_starts, meta.q_lens], dtype=torch.int64)
+    lam = None
+    if isinstance(threshold, torch.Tensor):
+        lam = threshold.to(torch.float32).contiguous()
+    elif threshold > 0:
+        lam = torch.full((num_seqs,), float(threshold), dtype=torch.float32)
+    n_counts = 0 if count_thresholds is None else int(count_thresholds.shape[0])
+    count_lam = None if count_thresholds is None else count_thresholds.to(torch.float32).contiguous()
+    skipped = torch.zeros(n_counts, hq, dtype=torch.int64)
+    visited = torch.zeros(1, dtype=torch.int64)
+    bt = block_table if block_table.dtype in (torch.int32, torch.int64) else block_table.long()
+    c = _Call()
+    c.abi = cpu_build.ABI_VERSION
+    c.dtype = _DTYPES[query.dtype]
+    c.num_seqs, c.num_q_heads, c.num_kv_heads = num_seqs, hq, meta.num_kv_heads
+    c.head_dim, c.page_size = meta.head_dim, meta.page_size
+    c.causal, c.split_tiles, c.num_threads = int(causal), split_k // TILE_K, torch.get_num_threads()
+    c.num_counts, c.bt_is64 = n_counts, int(bt.dtype == torch.int64)
+    c.scale = scale
+    c.q = query.data_ptr()
+    c.q_st, c.q_sh, c.q_sd = query.stride()
+    c.out = out.data_ptr()
+    c.o_st, c.o_sh, c.o_sd = out.stride()
+    c.k = key_cache.data_ptr()
+    c.k_sb, c.k_st, c.k_sh, c.k_sd = key_cache.stride()
+    c.v = value_cache.data_ptr()
+    c.v_sb, c.v_st, c.v_sh, c.v_sd = value_cache.stride()
+    c.bt = bt.data_ptr()
+    c.bt_s0, c.bt_s1 = bt.stride()
+    c.seq_info = seq_info.data_ptr()
+    c.lam = None if lam is None else lam.data_ptr()
+    c.count_lam = None if count_lam is None else count_lam.data_ptr()
+    c.skipped = skipped.data_ptr()
+    c.visited = visited.data_ptr()
+    rc = lib.sa_forward(ctypes.byref(c))
+    if rc:
+        raise RuntimeError(f"sparse_attn CPU kernel failed (code {rc}: "
+                           f"{ {1: 'CPU lacks the ISA it was built for', 2: 'bad call', 3: 'out of memory'}.get(rc)})")
+    if count_thresholds is None:
+        return out, None, None
+    return out, skipped, visited.expand(hq).clone()
