@@ -67,6 +67,10 @@ constexpr int MR = 6;       // rows per micro-kernel: 6 x 16 fp32 = 12 ymm accum
 // Rows per item: 4 heads x 64 rows x D 64-128 keeps Q, S and O (3 x M x D fp32, <= 384 KiB)
 // inside the 1 MiB L2 of the machine this was tuned on; larger GQA groups get several items.
 constexpr int ITEM_ROWS = 256;
+// Items with fewer rows than this use the one-row kernels (qk_wide / pv_wide).
+#ifndef WIDE_ROWS
+#define WIDE_ROWS 6
+#endif
 // Lazy rescale: the exp reference of a row only moves when a tile's max exceeds it by more
 // than this many nats (exp(8) cannot overflow fp32); exact, the reference cancels in O / l.
 constexpr float RESCALE_SLACK = 8.0f;
@@ -296,6 +300,52 @@ inline void pv_panel(const float* P, int ldp, const BT* const* vrows, int ntok, 
     for (int w = 0; w < W; ++w) store8(O + r * ldo + col + 8 * w, acc[r][w]);
 }
 
+// Few rows per tile (decode): one row at a time over the whole 64-position tile, so each K
+// row (dim-major: 64 positions) and each V row (D dims) is read as one contiguous run, the
+// first row streaming it from memory and the others finding it in L1.
+// C[0:64] = sum_d A[d] * B_p[d][0:16] over the 4 panels p.
+template <typename BT>
+__attribute__((noinline)) void qk_wide(const float* A, const BT* const* kp, int64_t ldb, int D, float* C) {
+  V8 acc[8];
+#pragma GCC unroll 8
+  for (int w = 0; w < 8; ++w) acc[w] = zero8();
+  for (int d = 0; d < D; ++d) {
+    const V8 a = set1(A[d]);
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      const BT* b = kp[p] + d * ldb;
+      acc[2 * p] = fmadd(a, load8(b), acc[2 * p]);
+      acc[2 * p + 1] = fmadd(a, load8(b + 8), acc[2 * p + 1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int w = 0; w < 8; ++w) store8(C + 8 * w, acc[w]);
+}
+
+// O[col:col+8W] += sum_t P[t] * V[t][col:col+8W] for one row.
+template <int W, typename BT>
+inline void pv_wide_w(const float* P, const BT* const* vrows, int ntok, int col, float* O) {
+  V8 acc[W];
+#pragma GCC unroll 8
+  for (int w = 0; w < W; ++w) acc[w] = load8(O + col + 8 * w);
+  for (int t = 0; t < ntok; ++t) {
+    const V8 a = set1(P[t]);
+    const BT* v = vrows[t] + col;
+#pragma GCC unroll 8
+    for (int w = 0; w < W; ++w) acc[w] = fmadd(a, load8(v + 8 * w), acc[w]);
+  }
+#pragma GCC unroll 8
+  for (int w = 0; w < W; ++w) store8(O + col + 8 * w, acc[w]);
+}
+
+template <typename BT>
+__attribute__((noinline)) void pv_wide(const float* P, const BT* const* vrows, int ntok, int D, float* O) {
+  int col = 0;
+  for (; col + 64 <= D; col += 64) pv_wide_w<8>(P, vrows, ntok, col, O);
+  for (; col + 16 <= D; col += 16) pv_wide_w<2>(P, vrows, ntok, col, O);
+  if (col < D) pv_wide_w<1>(P, vrows, ntok, col, O);
+}
+
 // Not inlined: one copy per element type serves every run_item variant (a quarter of the
 // code, and of the compile time, of inlining them), and a call per 6 x 16 block costs nothing.
 template <typename BT>
@@ -376,11 +426,30 @@ struct Counts {
   int64_t visited = 0;
 };
 
-inline int64_t block_of(const SaCall& c, int s, int64_t pos) {
-  int64_t col = pos / c.page_size;
+inline int64_t block_at(const SaCall& c, int s, int64_t col) {
   if (c.bt_is64) return static_cast<const int64_t*>(c.bt)[s * c.bt_s0 + col * c.bt_s1];
   return static_cast<const int32_t*>(c.bt)[s * c.bt_s0 + col * c.bt_s1];
 }
+
+// Where positions pos0 .. pos0+n-1 of sequence s live: block id and offset in the page of
+// each, walking the block table with one division per tile instead of one per position.
+struct TileSlots {
+  int64_t blk[TILE_K];
+  int32_t off[TILE_K];
+  void fill(const SaCall& c, int s, int64_t pos0, int n) {
+    int64_t col = pos0 / c.page_size;
+    int32_t o = int32_t(pos0 - col * c.page_size);
+    int64_t b = block_at(c, s, col);
+    for (int j = 0; j < n; ++j) {
+      blk[j] = b;
+      off[j] = o;
+      if (++o == c.page_size && j + 1 < n) {
+        o = 0;
+        b = block_at(c, s, ++col);
+      }
+    }
+  }
+};
 
 // One item.  T: element type of query / caches / out.  KD / VD: K / V read in place (the
 // micro-kernels then load T) or gathered into fp32 buffers first.
@@ -422,30 +491,30 @@ void run_item(const SaCall& c, const Item& it, Scratch& sc, Counts& cnt, bool te
   const bool count_here = c.num_counts > 0;
   const T* kc = static_cast<const T*>(c.k);
   const T* vc = static_cast<const T*>(c.v);
+  const T* kh = kc + int64_t(kvh) * c.k_sh;  // this KV head's K and V
+  const T* vh = vc + int64_t(kvh) * c.v_sh;
   const KT* kpanel[TILE_K / PANEL];
   int64_t ldk;
   const VT* vrows[TILE_K];
   bool keep[ITEM_ROWS];
+  TileSlots ts;
   PROF(P_Q);
 
   for (int t = 0; t <= last_tile; ++t) {
     const int64_t pos0 = int64_t(t) * TILE_K;
     const int ntok = int(std::min<int64_t>(TILE_K, kv - pos0));
     const int npanel = (ntok + PANEL - 1) / PANEL;
+    ts.fill(c, s, pos0, ntok);
     // ---- K: panels of 16 positions, each inside one page
     if (KD) {
       ldk = c.k_sd;
-      for (int p = 0; p < npanel; ++p) {
-        int64_t pos = pos0 + p * PANEL;
-        kpanel[p] = reinterpret_cast<const KT*>(kc + block_of(c, s, pos) * c.k_sb + (pos % c.page_size) * c.k_st +
-                                                int64_t(kvh) * c.k_sh);
-      }
+      for (int p = 0; p < npanel; ++p)
+        kpanel[p] = reinterpret_cast<const KT*>(kh + ts.blk[p * PANEL] * c.k_sb + ts.off[p * PANEL] * c.k_st);
     } else {
       float* kb = sc.kbuf.data();
       ldk = TILE_K;
       for (int j = 0; j < ntok; ++j) {
-        int64_t pos = pos0 + j;
-        const T* src = kc + block_of(c, s, pos) * c.k_sb + (pos % c.page_size) * c.k_st + int64_t(kvh) * c.k_sh;
+        const T* src = kh + ts.blk[j] * c.k_sb + ts.off[j] * c.k_st;
         for (int d = 0; d < D; ++d) kb[d * TILE_K + j] = to_f32(src[d * c.k_sd]);
       }
       for (int d = 0; d < D; ++d)
@@ -454,7 +523,10 @@ void run_item(const SaCall& c, const Item& it, Scratch& sc, Counts& cnt, bool te
     }
     PROF(P_KPREP);
     // ---- S = (scale Q) K^T, [M, 64]; panels past the sequence end are -inf
-    for (int rb = 0; rb < M; rb += MR) {
+    const bool wide = M < WIDE_ROWS;
+    if (wide && npanel == TILE_K / PANEL) {
+      for (int r = 0; r < M; ++r) qk_wide<KT>(Q + size_t(r) * D, kpanel, ldk, D, Sb + size_t(r) * TILE_K);
+    } else for (int rb = 0; rb < M; rb += MR) {
       const int R = std::min(MR, M - rb);
       for (int p = 0; p < npanel; ++p)
         qk_rows<KT>(R, Q + size_t(rb) * D, D, kpanel[p], ldk, D, Sb + size_t(rb) * TILE_K + p * PANEL, TILE_K);
@@ -535,16 +607,11 @@ void run_item(const SaCall& c, const Item& it, Scratch& sc, Counts& cnt, bool te
     if (!any) continue;  // no head keeps the tile: V is not read
     // ---- V rows (token-major)
     if (VD) {
-      for (int j = 0; j < ntok; ++j) {
-        int64_t pos = pos0 + j;
-        vrows[j] = reinterpret_cast<const VT*>(vc + block_of(c, s, pos) * c.v_sb + (pos % c.page_size) * c.v_st +
-                                               int64_t(kvh) * c.v_sh);
-      }
+      for (int j = 0; j < ntok; ++j) vrows[j] = reinterpret_cast<const VT*>(vh + ts.blk[j] * c.v_sb + ts.off[j] * c.v_st);
     } else {
       float* vb = sc.vbuf.data();
       for (int j = 0; j < ntok; ++j) {
-        int64_t pos = pos0 + j;
-        const T* src = vc + block_of(c, s, pos) * c.v_sb + (pos % c.page_size) * c.v_st + int64_t(kvh) * c.v_sh;
+        const T* src = vh + ts.blk[j] * c.v_sb + ts.off[j] * c.v_st;
         for (int d = 0; d < D; ++d) vb[j * D + d] = to_f32(src[d * c.v_sd]);
         vrows[j] = reinterpret_cast<const VT*>(vb + j * D);
       }
@@ -553,6 +620,11 @@ void run_item(const SaCall& c, const Item& it, Scratch& sc, Counts& cnt, bool te
     // ---- O += P V for the kept heads' rows
     for (int hh = 0; hh < nh; ++hh) {
       if (!keep[hh]) continue;
+      if (wide) {
+        for (int r = hh * nr; r < (hh + 1) * nr; ++r)
+          pv_wide<VT>(Sb + size_t(r) * TILE_K, vrows, ntok, D, O + size_t(r) * D);
+        continue;
+      }
       for (int rb = hh * nr; rb < (hh + 1) * nr; rb += MR) {
         const int R = std::min(MR, (hh + 1) * nr - rb);
         const float* P = Sb + size_t(rb) * TILE_K;
