@@ -34,7 +34,9 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "skip_attn_cpu.cpp"
-ABI_VERSION = 1
+#: Headers the source includes (part of the cache key).
+HEADERS = ("sa_simd.h", "sa_kernels.h")
+ABI_VERSION = 2
 #: Seconds one compile may take before it is abandoned (measured: ~7 s of CPU time with g++ 12).
 COMPILE_TIMEOUT_S = 600
 # -O2, not -O3: the micro-kernels carry their own unroll pragmas, so -O3 bought nothing
@@ -99,7 +101,8 @@ def compiler() -> str | None:
 
 def cache_key(isa: str, profile: bool = False) -> str:
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(_BASE_FLAGS + isa_flags(isa, profile)).encode(), torch.__version__.encode(),
+    sources = [SOURCE.read_bytes()] + [(SOURCE.parent / name).read_bytes() for name in HEADERS]
+    for part in (*sources, " ".join(_BASE_FLAGS + isa_flags(isa, profile)).encode(), torch.__version__.encode(),
                  isa.encode(), platform.machine().encode(), str(ABI_VERSION).encode()):
         h.update(part)
         h.update(b"\0")
@@ -117,6 +120,8 @@ def _open(path: Path, isa: str) -> ctypes.CDLL:
     lib.sa_forward.restype = ctypes.c_int
     lib.sa_exp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     lib.sa_exp.restype = None
+    lib.sa_tanh.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    lib.sa_tanh.restype = None
     lib.sa_profile.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.sa_profile.restype = None
     return lib

@@ -21,18 +21,20 @@ from ._common import SPLIT_K, TILE_K, BatchMeta
 logger = logging.getLogger("sparse_attn")
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+#: Cache dtypes: the query's, or an fp8 cache (dequantised with the layer's k/v scales).
+_KV_DTYPES = {**_DTYPES, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 
 
 class _Call(ctypes.Structure):
     """Mirror of ``struct SaCall`` in csrc/skip_attn_cpu.cpp (same order, same C types)."""
 
     _fields_ = [
-        ("abi", ctypes.c_int32), ("dtype", ctypes.c_int32),
+        ("abi", ctypes.c_int32), ("dtype", ctypes.c_int32), ("kv_dtype", ctypes.c_int32),
         ("num_seqs", ctypes.c_int32), ("num_q_heads", ctypes.c_int32), ("num_kv_heads", ctypes.c_int32),
         ("head_dim", ctypes.c_int32), ("page_size", ctypes.c_int32),
-        ("causal", ctypes.c_int32), ("split_tiles", ctypes.c_int32), ("num_threads", ctypes.c_int32),
-        ("num_counts", ctypes.c_int32), ("bt_is64", ctypes.c_int32),
-        ("scale", ctypes.c_float),
+        ("causal", ctypes.c_int32), ("window", ctypes.c_int32), ("split_tiles", ctypes.c_int32),
+        ("num_threads", ctypes.c_int32), ("num_counts", ctypes.c_int32), ("bt_is64", ctypes.c_int32),
+        ("scale", ctypes.c_float), ("soft_cap", ctypes.c_float), ("v_scale", ctypes.c_float),
         ("q", ctypes.c_void_p), ("q_st", ctypes.c_int64), ("q_sh", ctypes.c_int64), ("q_sd", ctypes.c_int64),
         ("out", ctypes.c_void_p), ("o_st", ctypes.c_int64), ("o_sh", ctypes.c_int64), ("o_sd", ctypes.c_int64),
         ("k", ctypes.c_void_p), ("k_sb", ctypes.c_int64), ("k_st", ctypes.c_int64), ("k_sh", ctypes.c_int64),
@@ -41,7 +43,7 @@ class _Call(ctypes.Structure):
         ("v_sd", ctypes.c_int64),
         ("bt", ctypes.c_void_p), ("bt_s0", ctypes.c_int64), ("bt_s1", ctypes.c_int64),
         ("seq_info", ctypes.c_void_p), ("lam", ctypes.c_void_p), ("count_lam", ctypes.c_void_p),
-        ("skipped", ctypes.c_void_p), ("visited", ctypes.c_void_p),
+        ("sinks", ctypes.c_void_p), ("skipped", ctypes.c_void_p), ("visited", ctypes.c_void_p),
     ]
 
 
@@ -90,9 +92,10 @@ def reset_for_tests() -> None:
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     """Shapes the compiled kernel takes: head sizes that are a multiple of 8 (every head size
-    vLLM's CPU attention accepts is), float32 / bfloat16 / float16, CPU tensors."""
+    vLLM's CPU attention accepts is), float32 / bfloat16 / float16 queries with a cache of
+    the same dtype or fp8 (e4m3 / e5m2), CPU tensors."""
     return query.device.type == "cpu" and query.dtype in _DTYPES and query.shape[-1] % 8 == 0 \
-        and key_cache.dtype == query.dtype
+        and (key_cache.dtype == query.dtype or key_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2))
 
 
 def forward(
@@ -108,10 +111,18 @@ def forward(
     count_thresholds: torch.Tensor | None,
     out: torch.Tensor,
     split_k: int = SPLIT_K,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Fill ``out`` [T, Hq, D] and return ``(out, skipped, visited)``: exactly
     :func:`torch_impl.forward`'s contract (``threshold`` a float or float32 ``[S]``;
     ``count_thresholds`` float32 ``[n, S]`` or None; counts int64 ``[n, Hq]`` / ``[Hq]``).
+    The layer features of ``_common``'s rule: ``sliding_window`` (tokens, causal only),
+    ``logits_soft_cap``, ``sinks`` (``[Hq]`` logits, denominator only), fp8 caches
+    (``float8_e4m3fn`` / ``float8_e5m2``) with ``k_scale`` / ``v_scale``.
 
     Needs :func:`status` ``().available`` and :func:`supports`; threads: ``torch.get_num_threads()``.
     """
@@ -136,11 +147,17 @@ def forward(
     c = _Call()
     c.abi = cpu_build.ABI_VERSION
     c.dtype = _DTYPES[query.dtype]
+    c.kv_dtype = _KV_DTYPES[key_cache.dtype]
+    c.window = int(sliding_window or 0)
+    c.soft_cap = float(logits_soft_cap or 0.0)
+    c.v_scale = float(v_scale)
+    sinks_f32 = None if sinks is None else sinks.detach().to("cpu", torch.float32).contiguous()
+    c.sinks = None if sinks_f32 is None else sinks_f32.data_ptr()
     c.num_seqs, c.num_q_heads, c.num_kv_heads = num_seqs, hq, meta.num_kv_heads
     c.head_dim, c.page_size = meta.head_dim, meta.page_size
     c.causal, c.split_tiles, c.num_threads = int(causal), split_k // TILE_K, torch.get_num_threads()
     c.num_counts, c.bt_is64 = n_counts, int(bt.dtype == torch.int64)
-    c.scale = scale
+    c.scale = scale * float(k_scale)
     c.q = query.data_ptr()
     c.q_st, c.q_sh, c.q_sd = query.stride()
     c.out = out.data_ptr()

@@ -12,8 +12,8 @@ it at a directory shared by every env) or a temporary directory.
 
 from __future__ import annotations
 
-import ctypes
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -25,7 +25,9 @@ import torch
 from compat import envs
 from sparse_attn.kernels import SPLIT_K, TILE_K, api, cpu_build, cpu_impl, paged_attention, paged_attention_counts
 
-from .kernel_reference import add_sink, make_batch, reference
+from sparse_attn.kernels._common import TILE_Q, BatchMeta
+
+from .kernel_reference import add_sink, gather_seq, make_batch, reference
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -387,6 +389,7 @@ def test_compile_error_is_reported_not_raised(fresh_state, monkeypatch, tmp_path
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++\n")
     monkeypatch.setattr(cpu_build, "SOURCE", broken)
+    monkeypatch.setattr(cpu_build, "HEADERS", ())
     st = cpu_impl.status()
     assert not st.available and "failed" in st.reason and "broken.cpp" in st.reason
     assert api.cpu_kernel() == "torch"
@@ -417,8 +420,115 @@ def test_choice_rule(monkeypatch):
 def test_cache_key_follows_source_isa_and_profile(monkeypatch, tmp_path):
     keys = {cpu_build.cache_key("avx2"), cpu_build.cache_key("generic"), cpu_build.cache_key("avx2", profile=True)}
     assert len(keys) == 3
-    edited = tmp_path / "edited.cpp"
-    edited.write_bytes(cpu_build.SOURCE.read_bytes() + b"\n// edit\n")
     before = cpu_build.cache_key("avx2")
-    monkeypatch.setattr(cpu_build, "SOURCE", edited)
-    assert cpu_build.cache_key("avx2") != before
+    for name in ("skip_attn_cpu.cpp", *cpu_build.HEADERS):  # an edit of the source or of a header
+        for f in (cpu_build.SOURCE.parent / n for n in ("skip_attn_cpu.cpp", *cpu_build.HEADERS)):
+            (tmp_path / name).mkdir(exist_ok=True)
+            (tmp_path / name / f.name).write_bytes(f.read_bytes() + (b"\n// edit\n" if f.name == name else b""))
+        monkeypatch.setattr(cpu_build, "SOURCE", tmp_path / name / "skip_attn_cpu.cpp")
+        assert cpu_build.cache_key("avx2") != before, name
+
+
+# --------------------------------------------------------------------------- layer features
+
+def feature_reference(batch, scale, lam, window=None, cap=None, sinks=None, k_scale=1.0, v_scale=1.0, split_k=SPLIT_K):
+    """float64 attention with sliding window, soft-cap, sink logits and dequantisation
+    scales, and the skip rule's anchor (the first tile a query tile visits) and votes
+    (a row that sees nothing of a tile does not vote; with nothing seen before it votes
+    to keep), written from the rule text alone.  Returns ``(out, skipped [Hq], visited [Hq])``."""
+    q, k, v, bt, sl, qsl = batch
+    hq, g = q.shape[1], q.shape[1] // k.shape[2]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    skipped, visited = torch.zeros(hq, dtype=torch.int64), torch.zeros(hq, dtype=torch.int64)
+    for s in range(len(sl)):
+        n, a, b = int(sl[s]), int(qsl[s]), int(qsl[s + 1])
+        if b == a:
+            continue
+        keys, vals = gather_seq(k, bt, s, n), gather_seq(v, bt, s, n) * v_scale
+        qpos, cols = torch.arange(n - (b - a), n), torch.arange(n)
+        allowed = cols[None] <= qpos[:, None]
+        if window:
+            allowed &= cols[None] >= qpos[:, None] - window + 1
+        for h in range(hq):
+            sc = q[a:b, h].double() @ keys[:, h // g].T * (scale * k_scale)
+            if cap:
+                sc = cap * torch.tanh(sc / cap)
+            sc = sc.masked_fill(~allowed, float("-inf"))
+            keep = torch.zeros_like(allowed)
+            for r0 in range(0, b - a, TILE_Q):
+                r1 = min(b - a, r0 + TILE_Q)
+                seen = allowed[r0:r1].nonzero()[:, 1]
+                first, last = int(seen.min()) // TILE_K, int(seen.max()) // TILE_K
+                m = torch.full((r1 - r0,), float("-inf"), dtype=torch.float64)
+                seed = sc[r0:r1, first * TILE_K:(first + 1) * TILE_K].amax(1)
+                for t in range(first, last + 1):
+                    tmax = sc[r0:r1, t * TILE_K:(t + 1) * TILE_K].amax(1)
+                    visited[h] += 1
+                    if t > first and (t * TILE_K) % split_k == 0:
+                        m = seed.clone()
+                    e = torch.where(tmax == float("-inf"), 0.0,
+                                    torch.where(m == float("-inf"), math.inf, (tmax - m).exp()))
+                    if t > first and e.max().item() < lam:
+                        skipped[h] += 1
+                    else:
+                        keep[r0:r1, t * TILE_K:(t + 1) * TILE_K] = True
+                    m = torch.maximum(m, tmax)
+            x = sc.masked_fill(~keep, float("-inf"))
+            mx = x.amax(1, keepdim=True)
+            if sinks is not None:
+                mx = torch.maximum(mx, torch.tensor(float(sinks[h]), dtype=torch.float64))
+            p = (x - mx).exp()
+            den = p.sum(1) + ((float(sinks[h]) - mx[:, 0]).exp() if sinks is not None else 0.0)
+            out[a:b, h] = (p @ vals[:, h // g]) / den[:, None]
+    return out, skipped, visited
+
+
+FEATURES = {
+    "window100": dict(sliding_window=100),
+    "window160-cap20-sinks": dict(sliding_window=160, logits_soft_cap=20.0, sinks=True),
+    "cap3": dict(logits_soft_cap=3.0),
+    "sinks": dict(sinks=True),
+}
+
+
+FEATURE_CASES = {
+    # long enough that windows leave tile 0 behind and tiles get skipped
+    "mixed-gqa3-page16": ([700, 300, 5], [1, 200, 5], 6, 2, 32, 16),
+    "decode-gqa3-page128-d64": ([900, 65, 1000], [1, 1, 1], 9, 3, 64, 128),
+}
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn, torch.float8_e5m2], ids=["same", "e4m3", "e5m2"])
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("case", list(FEATURE_CASES))
+def test_layer_features_match_float64(case, feature, kv_dtype):
+    kv_lens, q_lens, hq, hkv, d, page = FEATURE_CASES[case]
+    batch = add_sink(make_batch(kv_lens, q_lens, hq, hkv, d, page, layout="cpu_packed", seed=1))
+    k_scale = v_scale = 1.0
+    if kv_dtype is not None:  # the cache holds x / scale in fp8, as vLLM's writer stores it
+        k_scale, v_scale = 0.05, 0.02
+        batch = (batch[0], (batch[1].float() / k_scale).to(kv_dtype), (batch[2].float() / v_scale).to(kv_dtype),
+                 *batch[3:])
+    kw = dict(FEATURES[feature])
+    sinks = torch.randn(hq, generator=torch.Generator().manual_seed(5)) * 2 if kw.pop("sinks", False) else None
+    q, k, v, bt, sl, qsl = batch
+    meta = BatchMeta(sl.tolist(), qsl.tolist()[:-1], (qsl[1:] - qsl[:-1]).tolist(), hq, hkv, d, page)
+    for lam in (0.0, 0.1, 0.8):
+        out, sk, vis = cpu_impl.forward(q, k, v, bt, meta, scale=0.5, causal=True, threshold=lam,
+                                        count_thresholds=torch.full((1, len(kv_lens)), lam), out=torch.empty_like(q),
+                                        sinks=sinks, k_scale=k_scale, v_scale=v_scale, **kw)
+        ref, ref_sk, ref_vis = feature_reference(batch, 0.5, lam, window=kw.get("sliding_window"),
+                                                 cap=kw.get("logits_soft_cap"), sinks=sinks, k_scale=k_scale,
+                                                 v_scale=v_scale)
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
+        assert sk[0].tolist() == ref_sk.tolist() and vis.tolist() == ref_vis.tolist()
+    assert int(ref_sk.sum()) > 0
+
+
+def test_tanh_approximation_accuracy():
+    lib = cpu_impl._state["lib"]
+    x = torch.cat([torch.linspace(-12.0, 12.0, 1 << 20), torch.tensor([0.0, -0.0, 1e-20, 0.3999, 0.4, 0.4001, 9.0, 30.0])])
+    y = torch.empty_like(x)
+    lib.sa_tanh(x.data_ptr(), y.data_ptr(), x.numel())
+    err = (y.double() - x.double().tanh()).abs() / x.double().tanh().abs().clamp_min(1e-30)
+    assert err.max().item() < 4e-7, err.max().item()  # a few ulp: logits are cap * tanh(x / cap)
