@@ -43,7 +43,7 @@ class _Call(ctypes.Structure):
         ("v_sd", ctypes.c_int64),
         ("bt", ctypes.c_void_p), ("bt_s0", ctypes.c_int64), ("bt_s1", ctypes.c_int64),
         ("seq_info", ctypes.c_void_p), ("lam", ctypes.c_void_p), ("count_lam", ctypes.c_void_p),
-        ("sinks", ctypes.c_void_p), ("skipped", ctypes.c_void_p), ("visited", ctypes.c_void_p),
+        ("sink_logits", ctypes.c_void_p), ("skipped", ctypes.c_void_p), ("visited", ctypes.c_void_p),
     ]
 
 
@@ -152,7 +152,7 @@ def forward(
     c.soft_cap = float(logits_soft_cap or 0.0)
     c.v_scale = float(v_scale)
     sinks_f32 = None if sinks is None else sinks.detach().to("cpu", torch.float32).contiguous()
-    c.sinks = None if sinks_f32 is None else sinks_f32.data_ptr()
+    c.sink_logits = None if sinks_f32 is None else sinks_f32.data_ptr()
     c.num_seqs, c.num_q_heads, c.num_kv_heads = num_seqs, hq, meta.num_kv_heads
     c.head_dim, c.page_size = meta.head_dim, meta.page_size
     c.causal, c.split_tiles, c.num_threads = int(causal), split_k // TILE_K, torch.get_num_threads()

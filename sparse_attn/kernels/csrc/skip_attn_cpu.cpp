@@ -98,7 +98,7 @@ struct SaCall {
   const int64_t* seq_info;  // [3, num_seqs]: kv lengths, first query row, query lengths
   const float* lam;         // [num_seqs] serving lambdas, or null (dense)
   const float* count_lam;   // [num_counts, num_seqs] candidate lambdas, or null
-  const float* sinks;       // [num_q_heads] learned sink logits, or null
+  const float* sink_logits;  // [num_q_heads] learned sink logits, or null
   int64_t* skipped;         // [num_counts, num_q_heads], added to
   int64_t* visited;         // [1], added to
 };
@@ -195,7 +195,7 @@ void store_out_rows(const SaCall& c, const Item& it, int64_t row0, int nr, const
     const int64_t head = int64_t(it.kvh) * g + it.h0 + hh;
     for (int i = 0; i < nr; ++i) {
       const int r = hh * nr + i;
-      const float denom = l[r] + (c.sinks ? std::exp(c.sinks[head] - mref[r]) : 0.0f);
+      const float denom = l[r] + (c.sink_logits ? std::exp(c.sink_logits[head] - mref[r]) : 0.0f);
       const float inv = denom > 0.0f ? c.v_scale / denom : 0.0f;
       const float* o = O + size_t(r) * D;
       T* dst = out + (row0 + i) * c.o_st + head * c.o_sh;
