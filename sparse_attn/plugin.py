@@ -28,7 +28,7 @@ from sparse_attn.config import (
     read_section,
 )
 from sparse_attn.kernels import support
-from sparse_attn.kernels.api import describe_cpu_kernel
+from sparse_attn.kernels import cpu_impl
 from sparse_attn.protocol import CALIBRATION_ENV, PHASES, STATS_RPC
 from sparse_attn.stats import STATS
 
@@ -191,7 +191,7 @@ def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, ra
         "native": reasons,
         "cuda_graphs": {b: d.describe() for b, d in graphs.installed().items() if b in backends},
         # Which skip-softmax kernel runs the CPU layers (built or loaded here, once per worker).
-        "cpu_kernel": describe_cpu_kernel() if installed and _on_cpu(model) else None,
+        "cpu_kernel": cpu_impl.describe() if installed and _on_cpu(model) else None,
     }
     STATS.set_install(summary, tuple(sorted(owners)))
     logger.info(

@@ -3,7 +3,8 @@
 Same contract as :func:`sparse_attn.kernels.torch_impl.forward` (arguments, outputs, counts),
 the same tile geometry and skip rule (``_common``), over the same zero-copy cache views with
 any strides.  The library is compiled on first use (:mod:`.cpu_build`); :func:`status` says
-whether it is available here and why not.  Kernel choice is :func:`sparse_attn.kernels.api.cpu_kernel`.
+whether it is available here and why not; :func:`cpu_kernel` is the one rule that picks the
+CPU kernel (``impl="auto"`` in :mod:`sparse_attn.kernels.api`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from . import cpu_build
-from ._common import SPLIT_K, TILE_K, BatchMeta
+from ._common import SPLIT_K, TILE_K
+from .batch import BatchMeta, LayerSpec, PagedBatch
 
 logger = logging.getLogger("sparse_attn")
 
@@ -90,24 +92,81 @@ def reset_for_tests() -> None:
         _state.clear()
 
 
-def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+def supports(batch: PagedBatch) -> bool:
     """Shapes the compiled kernel takes: head sizes that are a multiple of 8 (every head size
     vLLM's CPU attention accepts is), float32 / bfloat16 / float16 queries with a cache of
     the same dtype or fp8 (e4m3 / e5m2), CPU tensors."""
+    query, key_cache = batch.query, batch.key_cache
     return query.device.type == "cpu" and query.dtype in _DTYPES and query.shape[-1] % 8 == 0 \
         and (key_cache.dtype == query.dtype or key_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2))
 
 
+_warned: set[str] = set()
+
+
+def cpu_kernel(batch: PagedBatch | None = None) -> str:
+    """The one rule that picks the kernel for CPU tensors (``impl="auto"``): ``"compiled"`` or ``"torch"``.
+
+    ``SPARSE_ATTN_CPU_KERNEL=torch`` -> torch; ``=compiled`` -> compiled (raises
+    ``CpuKernelUnavailable`` when it cannot be built here, ``ValueError`` for shapes it does
+    not take); ``=auto`` (default) -> compiled when it builds or loads here (:func:`status`,
+    once per process) and takes the batch (:func:`supports`), else torch, with one warning line
+    per process when the build is what failed.  Without a batch: the answer for shapes the
+    compiled kernel takes.
+    """
+    from compat import envs
+
+    choice = envs.get("SPARSE_ATTN_CPU_KERNEL")
+    if choice == "torch":
+        return "torch"
+    if choice == "compiled":
+        require(batch)
+        return "compiled"
+    st = status()
+    if not st.available:
+        if "unavailable" not in _warned:
+            _warned.add("unavailable")
+            logger.warning("sparse-attn: compiled CPU kernel unavailable (%s); the torch kernel serves. Fix: install a "
+                           "C++ compiler (g++ or clang++) or point CXX at one; SPARSE_ATTN_CPU_KERNEL=torch silences "
+                           "this", st.reason)
+        return "torch"
+    return "compiled" if batch is None or supports(batch) else "torch"
+
+
+def require(batch: PagedBatch | None = None) -> None:
+    """Raise unless the compiled kernel is available here and takes ``batch``."""
+    st = status()
+    if not st.available:
+        raise cpu_build.CpuKernelUnavailable(
+            f"paged_attention: the compiled CPU kernel was asked for (impl='compiled' or SPARSE_ATTN_CPU_KERNEL="
+            f"compiled) but is unavailable: {st.reason}. Fix: install a C++ compiler or set CXX, or use "
+            f"SPARSE_ATTN_CPU_KERNEL=auto / torch")
+    if batch is not None and not supports(batch):
+        q = batch.query
+        raise ValueError(f"paged_attention: the compiled CPU kernel takes CPU fp32/bf16/fp16 queries (cache: the same "
+                         f"dtype or fp8) with a head size that is a multiple of 8, got {q.dtype} / "
+                         f"{batch.key_cache.dtype} on {q.device}, head size {q.shape[-1]}; use impl='torch' (or "
+                         f"SPARSE_ATTN_CPU_KERNEL=auto)")
+
+
+def describe() -> str:
+    """Which kernel serves CPU tensors in this process and why, for the plugin's install line
+    (builds or loads the compiled kernel, once; raises like :func:`cpu_kernel` when
+    ``SPARSE_ATTN_CPU_KERNEL=compiled`` cannot be honoured)."""
+    from compat import envs
+
+    choice = envs.get("SPARSE_ATTN_CPU_KERNEL")
+    if cpu_kernel() == "torch":
+        return "torch (SPARSE_ATTN_CPU_KERNEL=torch)" if choice == "torch" else status().describe()
+    return status().describe() + (" (SPARSE_ATTN_CPU_KERNEL=compiled)" if choice == "compiled" else "")
+
+
 def forward(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
+    batch: PagedBatch,
+    spec: LayerSpec,
     meta: BatchMeta,
     *,
-    scale: float,
-    causal: bool,
-    threshold: float | torch.Tensor,
+    threshold: torch.Tensor,
     count_thresholds: torch.Tensor | None,
     out: torch.Tensor,
     split_k: int = SPLIT_K,
@@ -117,47 +176,41 @@ def forward(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Fill ``out`` [T, Hq, D] and return ``(out, skipped, visited)``: exactly
-    :func:`torch_impl.forward`'s contract (``threshold`` a float or float32 ``[S]``;
-    ``count_thresholds`` float32 ``[n, S]`` or None; counts int64 ``[n, Hq]`` / ``[Hq]``).
-    The layer features of ``_common``'s rule: ``sliding_window`` (tokens, causal only),
-    ``logits_soft_cap``, ``sinks`` (``[Hq]`` logits, denominator only), fp8 caches
-    (``float8_e4m3fn`` / ``float8_e5m2``) with ``k_scale`` / ``v_scale``.
+    """The backend contract of :mod:`sparse_attn.kernels.api`: fill ``out`` [T, Hq, D] and
+    return ``(out, skipped int64 [n, Hq] | None, visited int64 [Hq] | None)`` for
+    ``threshold`` (float32 ``[S]``, 0 = dense) and ``count_thresholds`` (float32 ``[n, S]``
+    or None).  The layer features of ``_common``'s rule come as keywords until the
+    ``LayerSpec`` carries them: ``sliding_window`` (tokens, causal only), ``logits_soft_cap``,
+    ``sinks`` (``[Hq]`` logits, denominator only), fp8 caches (``float8_e4m3fn`` /
+    ``float8_e5m2``) with ``k_scale`` / ``v_scale``.
 
     Needs :func:`status` ``().available`` and :func:`supports`; threads: ``torch.get_num_threads()``.
     """
     lib = _state.get("lib")
     if lib is None:
-        if not status().available:
-            raise cpu_build.CpuKernelUnavailable(status().reason)
+        require()
         lib = _state["lib"]
+    query, key_cache, value_cache, block_table = batch.query, batch.key_cache, batch.value_cache, batch.block_table
     num_seqs = len(meta.seq_lens)
-    hq = meta.num_q_heads
+    hq = batch.num_q_heads
     seq_info = torch.tensor([meta.seq_lens, meta.q_starts, meta.q_lens], dtype=torch.int64)
-    lam = None
-    if isinstance(threshold, torch.Tensor):
-        lam = threshold.to(torch.float32).contiguous()
-    elif threshold > 0:
-        lam = torch.full((num_seqs,), float(threshold), dtype=torch.float32)
+    lam = threshold.to("cpu", torch.float32).contiguous()
     n_counts = 0 if count_thresholds is None else int(count_thresholds.shape[0])
-    count_lam = None if count_thresholds is None else count_thresholds.to(torch.float32).contiguous()
+    count_lam = None if count_thresholds is None else count_thresholds.to("cpu", torch.float32).contiguous()
     skipped = torch.zeros(n_counts, hq, dtype=torch.int64)
     visited = torch.zeros(1, dtype=torch.int64)
     bt = block_table if block_table.dtype in (torch.int32, torch.int64) else block_table.long()
+    sinks_f32 = None if sinks is None else sinks.detach().to("cpu", torch.float32).contiguous()
     c = _Call()
     c.abi = cpu_build.ABI_VERSION
     c.dtype = _DTYPES[query.dtype]
     c.kv_dtype = _KV_DTYPES[key_cache.dtype]
-    c.window = int(sliding_window or 0)
-    c.soft_cap = float(logits_soft_cap or 0.0)
-    c.v_scale = float(v_scale)
-    sinks_f32 = None if sinks is None else sinks.detach().to("cpu", torch.float32).contiguous()
-    c.sink_logits = None if sinks_f32 is None else sinks_f32.data_ptr()
-    c.num_seqs, c.num_q_heads, c.num_kv_heads = num_seqs, hq, meta.num_kv_heads
-    c.head_dim, c.page_size = meta.head_dim, meta.page_size
-    c.causal, c.split_tiles, c.num_threads = int(causal), split_k // TILE_K, torch.get_num_threads()
+    c.num_seqs, c.num_q_heads, c.num_kv_heads = num_seqs, hq, batch.num_kv_heads
+    c.head_dim, c.page_size = batch.head_dim, batch.page_size
+    c.causal, c.window = int(spec.causal), int(sliding_window or 0)
+    c.split_tiles, c.num_threads = split_k // TILE_K, torch.get_num_threads()
     c.num_counts, c.bt_is64 = n_counts, int(bt.dtype == torch.int64)
-    c.scale = scale * float(k_scale)
+    c.scale, c.soft_cap, c.v_scale = float(spec.scale) * float(k_scale), float(logits_soft_cap or 0.0), float(v_scale)
     c.q = query.data_ptr()
     c.q_st, c.q_sh, c.q_sd = query.stride()
     c.out = out.data_ptr()
@@ -169,8 +222,9 @@ def forward(
     c.bt = bt.data_ptr()
     c.bt_s0, c.bt_s1 = bt.stride()
     c.seq_info = seq_info.data_ptr()
-    c.lam = None if lam is None else lam.data_ptr()
+    c.lam = lam.data_ptr()
     c.count_lam = None if count_lam is None else count_lam.data_ptr()
+    c.sink_logits = None if sinks_f32 is None else sinks_f32.data_ptr()
     c.skipped = skipped.data_ptr()
     c.visited = visited.data_ptr()
     rc = lib.sa_forward(ctypes.byref(c))

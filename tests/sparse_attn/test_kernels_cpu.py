@@ -12,6 +12,7 @@ it at a directory shared by every env) or a temporary directory.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -23,9 +24,8 @@ import pytest
 import torch
 
 from compat import envs
-from sparse_attn.kernels import SPLIT_K, TILE_K, api, cpu_build, cpu_impl, paged_attention, paged_attention_counts
-
-from sparse_attn.kernels._common import TILE_Q, BatchMeta
+from sparse_attn.kernels import (SPLIT_K, TILE_K, TILE_Q, BatchMeta, LayerSpec, PagedBatch, cpu_build, cpu_impl,
+                                 paged_attention, paged_attention_counts)
 
 from .kernel_reference import add_sink, gather_seq, make_batch, reference
 
@@ -53,17 +53,20 @@ _REFERENCES: dict = {}
 
 
 def cached_reference(tag, batch, scale, **kw):
-    """``reference(*batch, scale, **kw)``, computed once per ``tag``: make_batch fills the same
+    """``reference(batch, scale, **kw)``, computed once per ``tag``: make_batch fills the same
     values whatever the layout (one generator, one order), so layouts share a reference."""
     key = (tag, scale, tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(kw.items())))
     if key not in _REFERENCES:
-        _REFERENCES[key] = reference(*batch, scale, **kw)
+        _REFERENCES[key] = reference(batch, scale, **kw)
     return _REFERENCES[key]
 
 
-def _run(batch, impl="compiled", **kw):
-    q, k, v, bt, sl, qsl = batch
-    return paged_attention(q, k, v, bt, sl, qsl, impl=impl, **kw)
+def _run(batch, scale, impl="compiled", causal=True, **kw):
+    return paged_attention(batch, LayerSpec(scale, causal), impl=impl, **kw)
+
+
+def _counts(batch, scale, thresholds, impl="compiled", **kw):
+    return paged_attention_counts(batch, LayerSpec(scale), thresholds, impl=impl, **kw)
 
 
 # --------------------------------------------------------------------------- cases
@@ -100,11 +103,11 @@ def test_dense_matches_float64_reference(case, layout, dtype):
     batch = make_batch(kv_lens, q_lens, hq, hkv, d, page, layout=layout, dtype=DTYPES[dtype])
     scale = d ** -0.5
     ref, _, visited, _ = cached_reference((case, dtype), batch, scale)
-    out = _run(batch, scale=scale)
+    out = _run(batch, scale)
     assert out.dtype == DTYPES[dtype] and not out.isnan().any()
     torch.testing.assert_close(out.double(), ref, **TOL[dtype])
     # lambda 0 through the counting path is the same dense computation, bit for bit
-    o2, sk, vis = _run(batch, scale=scale, threshold=0.0, return_counts=True)
+    o2, sk, vis = _run(batch, scale, threshold=0.0, return_counts=True)
     torch.testing.assert_close(o2, out, atol=0, rtol=0)
     assert int(sk.sum()) == 0 and vis.tolist() == visited.tolist()
 
@@ -115,10 +118,11 @@ def test_half_precision_output_is_the_rounded_fp32_result(layout, dtype):
     """bf16/fp16 inputs are read exactly (upcast) and accumulated in fp32: the output is
     torch's round-to-nearest-even of the fp32 kernel on the upcast inputs, bit for bit."""
     batch = add_sink(make_batch([290, 40], [100, 1], 6, 2, 32, 32, layout=layout, dtype=DTYPES[dtype], seed=4))
-    up = (batch[0].float(), batch[1].float(), batch[2].float(), *batch[3:])
+    up = dataclasses.replace(batch, query=batch.query.float(), key_cache=batch.key_cache.float(),
+                             value_cache=batch.value_cache.float())
     for lam in (0.0, 0.3):
-        out, sk, _ = _run(batch, scale=0.4, threshold=lam, return_counts=True)
-        ref32, sk32, _ = _run(up, scale=0.4, threshold=lam, return_counts=True)
+        out, sk, _ = _run(batch, 0.4, threshold=lam, return_counts=True)
+        ref32, sk32, _ = _run(up, 0.4, threshold=lam, return_counts=True)
         assert torch.equal(out, ref32.to(DTYPES[dtype])) and sk.tolist() == sk32.tolist()
 
 
@@ -131,7 +135,7 @@ def test_sparse_matches_bruteforce(case, layout, lam):
     batch = add_sink(make_batch(kv_lens, q_lens, hq, hkv, d, page, layout=layout, seed=3))
     scale = 2.0 * d ** -0.5  # peakier scores so that tiles get skipped
     ref, skipped, visited, _ = cached_reference((case, "sink-3"), batch, scale, lam=lam)
-    out, sk, vis = _run(batch, scale=scale, threshold=lam, return_counts=True)
+    out, sk, vis = _run(batch, scale, threshold=lam, return_counts=True)
     assert sk.dtype == torch.int64 and sk.shape == (hq,) and vis.shape == (hq,)
     assert sk.tolist() == skipped.tolist() and vis.tolist() == visited.tolist()
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
@@ -145,12 +149,12 @@ def test_counting_mode_equals_reference_and_serving_skips(case, layout):
     scale = 2.0 * d ** -0.5
     lams = [0.0, 1e-4, 1e-2, 0.1, 0.5, 1.0, 3.0]
     ref, _, visited, per_thr = cached_reference((case, "sink-7"), batch, scale, thresholds=lams)
-    out, skipped, vis = paged_attention_counts(*batch, torch.tensor(lams), scale=scale, impl="compiled")
+    out, skipped, vis = _counts(batch, scale, torch.tensor(lams))
     assert skipped.shape == (len(lams), hq) and skipped.tolist() == per_thr.tolist()
     assert vis.tolist() == visited.tolist()
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
     for j, lam in enumerate(lams):  # calibration counts are exactly the serving skips
-        _, sk, _ = _run(batch, scale=scale, threshold=lam, return_counts=True)
+        _, sk, _ = _run(batch, scale, threshold=lam, return_counts=True)
         assert sk.tolist() == skipped[j].tolist()
     assert int(skipped[-1].sum()) > 0
 
@@ -171,15 +175,15 @@ def test_split_rule_matches_bruteforce_torch_and_counting(case):
     scale = 2.0 * d ** -0.5
     rule = {} if split_k is None else {"split_k": split_k}
     lams = [0.0, 1e-3, 0.05, 0.3]
-    ref_out, _, ref_vis, per_thr = reference(*batch, scale, thresholds=lams, **rule)
-    out, skipped, vis = paged_attention_counts(*batch, lams, scale=scale, impl="compiled", **rule)
+    ref_out, _, ref_vis, per_thr = reference(batch, scale, thresholds=lams, **rule)
+    out, skipped, vis = _counts(batch, scale, lams, **rule)
     assert skipped.tolist() == per_thr.tolist() and vis.tolist() == ref_vis.tolist()
     torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=1e-5)
-    t_out, t_skipped, t_vis = paged_attention_counts(*batch, lams, scale=scale, impl="torch", **rule)
+    t_out, t_skipped, t_vis = _counts(batch, scale, lams, impl="torch", **rule)
     assert t_skipped.tolist() == skipped.tolist() and t_vis.tolist() == vis.tolist()
     for j, lam in enumerate(lams[1:], 1):
-        ref, ref_sk, _, _ = reference(*batch, scale, lam=lam, **rule)
-        o, sk, _ = _run(batch, scale=scale, threshold=lam, return_counts=True, **rule)
+        ref, ref_sk, _, _ = reference(batch, scale, lam=lam, **rule)
+        o, sk, _ = _run(batch, scale, threshold=lam, return_counts=True, **rule)
         assert sk.tolist() == ref_sk.tolist() == skipped[j].tolist()
         torch.testing.assert_close(o.double(), ref, atol=2e-5, rtol=1e-5)
     assert int(skipped[-1].sum()) > 0
@@ -201,21 +205,22 @@ def test_per_sequence_lambdas_match_reference_and_torch(case, as_tensor):
                                 seed=13))
     scale = 2.0 * d ** -0.5
     thr = torch.tensor(lams) if as_tensor else lams
-    out, sk, vis = _run(batch, scale=scale, threshold=thr, return_counts=True)
-    t_out, t_sk, t_vis = _run(batch, impl="torch", scale=scale, threshold=thr, return_counts=True)
+    out, sk, vis = _run(batch, scale, threshold=thr, return_counts=True)
+    t_out, t_sk, t_vis = _run(batch, scale, impl="torch", threshold=thr, return_counts=True)
     assert sk.tolist() == t_sk.tolist() and vis.tolist() == t_vis.tolist() and int(sk.sum()) > 0
     torch.testing.assert_close(out, t_out, atol=2e-5, rtol=1e-5)
-    q, k, v, bt, sl, qsl = batch
+    qsl = batch.query_start_loc
     for s, lam in enumerate(lams):
         a, b = int(qsl[s]), int(qsl[s + 1])
-        alone = (q[a:b], k, v, bt[s:s + 1], sl[s:s + 1], torch.tensor([0, b - a], dtype=qsl.dtype))
-        torch.testing.assert_close(out[a:b].double(), reference(*alone, scale, lam=lam)[0], atol=2e-5, rtol=1e-5)
+        alone = PagedBatch(batch.query[a:b], batch.key_cache, batch.value_cache, batch.block_table[s:s + 1],
+                           batch.seq_lens[s:s + 1], torch.tensor([0, b - a], dtype=qsl.dtype))
+        torch.testing.assert_close(out[a:b].double(), reference(alone, scale, lam=lam)[0], atol=2e-5, rtol=1e-5)
 
 
 def test_non_causal_matches_reference():
     batch = add_sink(make_batch([300, 70], [100, 70], 6, 2, 16, 16, layout="cpu_packed"))
-    ref, sk, vis, _ = reference(*batch, 0.5, lam=0.3, causal=False)
-    out, sk2, vis2 = _run(batch, scale=0.5, threshold=0.3, causal=False, return_counts=True)
+    ref, sk, vis, _ = reference(batch, 0.5, lam=0.3, causal=False)
+    out, sk2, vis2 = _run(batch, 0.5, threshold=0.3, causal=False, return_counts=True)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
     assert sk2.tolist() == sk.tolist() and vis2.tolist() == vis.tolist() and int(sk.sum()) > 0
 
@@ -228,7 +233,7 @@ def test_threads_do_not_change_results():
         results = []
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            results.append(_run(batch, scale=0.25, threshold=0.1, return_counts=True))
+            results.append(_run(batch, 0.25, threshold=0.1, return_counts=True))
     finally:
         torch.set_num_threads(n)
     (o1, s1, v1), (o2, s2, v2) = results
@@ -238,40 +243,41 @@ def test_threads_do_not_change_results():
 def test_strided_query_and_out_views():
     """Query and output may be views with any strides (a slice of a fused QKV buffer)."""
     batch = add_sink(make_batch([300, 64], [70, 1], 4, 2, 32, 16, layout="cpu_packed", seed=2))
-    q = batch[0]
+    q = batch.query
     fused = torch.full((q.shape[0], q.shape[1], 3 * q.shape[2]), float("nan"))
     fused[..., 32:64] = q
     q_view = fused[..., 32:64]
     out_buf = torch.full((q.shape[1], q.shape[0], q.shape[2]), float("nan"))
     out_view = out_buf.transpose(0, 1)
-    res = paged_attention(q_view, *batch[1:], scale=0.3, threshold=0.2, out=out_view, impl="compiled")
+    res = _run(dataclasses.replace(batch, query=q_view), 0.3, threshold=0.2, out=out_view)
     assert res is out_view and not out_buf.isnan().any()
-    torch.testing.assert_close(out_view.double(), reference(*batch, 0.3, lam=0.2)[0], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(out_view.double(), reference(batch, 0.3, lam=0.2)[0], atol=2e-5, rtol=1e-5)
 
 
 def test_empty_and_zero_length_sequences():
     batch = make_batch([0, 50, 30], [0, 0, 1], 2, 1, 16, 16)
-    out, sk, vis = _run(batch, scale=0.25, threshold=0.5, return_counts=True)
+    out, sk, vis = _run(batch, 0.25, threshold=0.5, return_counts=True)
     assert out.shape == (1, 2, 16) and not out.isnan().any()
-    torch.testing.assert_close(out.double(), reference(*batch, 0.25, lam=0.5)[0], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(out.double(), reference(batch, 0.25, lam=0.5)[0], atol=2e-5, rtol=1e-5)
     empty = make_batch([0, 0], [0, 0], 2, 1, 16, 16)
-    out, sk, vis = _run(empty, scale=0.25, return_counts=True)
+    out, sk, vis = _run(empty, 0.25, return_counts=True)
     assert out.shape == (0, 2, 16) and sk.tolist() == [0, 0] and vis.tolist() == [0, 0]
 
 
 def test_int64_block_table_and_seq_tensors():
     batch = add_sink(make_batch([300, 40], [1, 40], 4, 2, 16, 16, seed=6))
-    long_batch = (*batch[:3], batch[3].long(), batch[4].long(), batch[5].long())
-    a = _run(batch, scale=1.0, threshold=0.3, return_counts=True)
-    b = _run(long_batch, scale=1.0, threshold=0.3, return_counts=True)
+    long_batch = dataclasses.replace(batch, block_table=batch.block_table.long(), seq_lens=batch.seq_lens.long(),
+                                     query_start_loc=batch.query_start_loc.long())
+    a = _run(batch, 1.0, threshold=0.3, return_counts=True)
+    b = _run(long_batch, 1.0, threshold=0.3, return_counts=True)
     assert torch.equal(a[0], b[0]) and a[1].tolist() == b[1].tolist() and int(a[1].sum()) > 0
 
 
 def test_unchecked_call_equals_checked():
     batch = add_sink(make_batch([300, 5, 700], [1, 5, 1], 6, 2, 32, 128, layout="cpu_packed", seed=17))
     for thr in (0.3, torch.tensor([0.3, 0.0, 0.5])):
-        a = _run(batch, scale=1.0, threshold=thr, return_counts=True)
-        b = _run(batch, scale=1.0, threshold=thr, return_counts=True, check=False, max_query_len=5)
+        a = _run(batch, 1.0, threshold=thr, return_counts=True)
+        b = _run(dataclasses.replace(batch, max_query_len=5), 1.0, threshold=thr, return_counts=True, check=False)
         assert torch.equal(a[0], b[0]) and b[1].tolist() == a[1].tolist() and int(a[1].sum()) > 0
 
 
@@ -333,7 +339,7 @@ def test_generic_build_matches_reference(generic_build, monkeypatch, case, dtype
     batch = add_sink(make_batch(kv_lens, q_lens, hq, hkv, d, page, layout=layout, dtype=DTYPES[dtype], seed=3))
     scale = 2.0 * d ** -0.5
     ref, skipped, visited, _ = cached_reference((case, dtype, "sink-3"), batch, scale, lam=0.9)
-    out, sk, vis = _run(batch, scale=scale, threshold=0.9, return_counts=True)
+    out, sk, vis = _run(batch, scale, threshold=0.9, return_counts=True)
     torch.testing.assert_close(out.double(), ref, **TOL[dtype])
     assert int(skipped.sum()) > 0
     if dtype == "fp32":  # half-precision scores may straddle a decision boundary the float64 one does not
@@ -350,25 +356,25 @@ def fresh_state(monkeypatch, tmp_path):
     saved = dict(cpu_impl._state)
     cpu_impl.reset_for_tests()
     envs.reset_for_tests()
-    api._warned.clear()
+    cpu_impl._warned.clear()
     yield tmp_path / "cache"
     cpu_impl.reset_for_tests()
     cpu_impl._state.update(saved)
     envs.reset_for_tests()
-    api._warned.clear()
+    cpu_impl._warned.clear()
 
 
 def test_without_a_compiler_the_torch_kernel_serves_with_one_warning(fresh_state, monkeypatch, caplog):
     monkeypatch.setenv("CXX", "/nowhere/c++")
     batch = add_sink(make_batch([300, 40], [1, 40], 4, 2, 16, 16, seed=3))
     with caplog.at_level(logging.WARNING, logger="sparse_attn"):
-        outs = [_run(batch, impl="auto", scale=1.0, threshold=0.3, return_counts=True) for _ in range(3)]
-        assert api.cpu_kernel() == "torch"
+        outs = [_run(batch, 1.0, impl="auto", threshold=0.3, return_counts=True) for _ in range(3)]
+        assert cpu_impl.cpu_kernel() == "torch"
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
     msg = warnings[0].getMessage()
     assert "/nowhere/c++" in msg and "not found" in msg and "SPARSE_ATTN_CPU_KERNEL=torch" in msg
-    ref = _run(batch, impl="torch", scale=1.0, threshold=0.3, return_counts=True)
+    ref = _run(batch, 1.0, impl="torch", threshold=0.3, return_counts=True)
     assert all(torch.equal(o[0], ref[0]) and o[1].tolist() == ref[1].tolist() for o in outs)
     st = cpu_impl.status()
     assert not st.available and "torch" in st.describe()
@@ -380,9 +386,9 @@ def test_compiled_required_without_a_compiler_is_an_error(fresh_state, monkeypat
     monkeypatch.setenv("SPARSE_ATTN_CPU_KERNEL", "compiled")
     batch = make_batch([40], [1], 2, 1, 16, 16)
     with pytest.raises(cpu_build.CpuKernelUnavailable, match="Fix: install a C.. compiler"):
-        _run(batch, impl="auto", scale=1.0)
+        _run(batch, 1.0, impl="auto")
     with pytest.raises(cpu_build.CpuKernelUnavailable, match="not found"):
-        _run(batch, impl="compiled", scale=1.0)
+        _run(batch, 1.0, impl="compiled")
 
 
 def test_compile_error_is_reported_not_raised(fresh_state, monkeypatch, tmp_path):
@@ -392,29 +398,29 @@ def test_compile_error_is_reported_not_raised(fresh_state, monkeypatch, tmp_path
     monkeypatch.setattr(cpu_build, "HEADERS", ())
     st = cpu_impl.status()
     assert not st.available and "failed" in st.reason and "broken.cpp" in st.reason
-    assert api.cpu_kernel() == "torch"
+    assert cpu_impl.cpu_kernel() == "torch"
     assert not any(fresh_state.glob("*.so")) and not any(fresh_state.glob(".*.tmp"))
 
 
 def test_choice_rule(monkeypatch):
     """SPARSE_ATTN_CPU_KERNEL x availability x shapes (the library of the module fixture is loaded)."""
     monkeypatch.setattr(envs, "_cache", {})
-    q = torch.zeros(1, 4, 64)
-    assert api.cpu_kernel(q, q.view(1, 1, 4, 64)) == "compiled"
-    q_odd = torch.zeros(1, 4, 20)  # head size not a multiple of 8: the torch kernel serves it
-    assert api.cpu_kernel(q_odd, q_odd.view(1, 1, 4, 20)) == "torch"
+    ok = make_batch([40], [1], 4, 1, 64, 16)
+    odd = make_batch([40], [1], 4, 1, 20, 16)  # head size not a multiple of 8: the torch kernel serves it
+    assert cpu_impl.cpu_kernel(ok) == "compiled" and cpu_impl.cpu_kernel(odd) == "torch"
     for value, expected in (("torch", "torch"), ("compiled", "compiled"), ("auto", "compiled")):
         monkeypatch.setenv("SPARSE_ATTN_CPU_KERNEL", value)
         envs.reset_for_tests()
-        assert api.cpu_kernel(q, q.view(1, 1, 4, 64)) == expected
+        assert cpu_impl.cpu_kernel(ok) == expected
+    torch.testing.assert_close(_run(odd, 0.5, impl="auto").double(), reference(odd, 0.5)[0], atol=2e-5, rtol=1e-5)
     monkeypatch.setenv("SPARSE_ATTN_CPU_KERNEL", "compiled")
     envs.reset_for_tests()
     with pytest.raises(ValueError, match="multiple of 8"):
-        api.cpu_kernel(q_odd, q_odd.view(1, 1, 4, 20))
+        cpu_impl.cpu_kernel(odd)
     monkeypatch.setenv("SPARSE_ATTN_CPU_KERNEL", "fast")
     envs.reset_for_tests()
     with pytest.raises(ValueError, match="auto, compiled, torch"):
-        api.cpu_kernel()
+        cpu_impl.cpu_kernel()
 
 
 def test_cache_key_follows_source_isa_and_profile(monkeypatch, tmp_path):
@@ -436,7 +442,8 @@ def feature_reference(batch, scale, lam, window=None, cap=None, sinks=None, k_sc
     scales, and the skip rule's anchor (the first tile a query tile visits) and votes
     (a row that sees nothing of a tile does not vote; with nothing seen before it votes
     to keep), written from the rule text alone.  Returns ``(out, skipped [Hq], visited [Hq])``."""
-    q, k, v, bt, sl, qsl = batch
+    q, k, v, bt, sl, qsl = (batch.query, batch.key_cache, batch.value_cache, batch.block_table, batch.seq_lens,
+                            batch.query_start_loc)
     hq, g = q.shape[1], q.shape[1] // k.shape[2]
     out = torch.zeros(q.shape, dtype=torch.float64)
     skipped, visited = torch.zeros(hq, dtype=torch.int64), torch.zeros(hq, dtype=torch.int64)
@@ -507,16 +514,16 @@ def test_layer_features_match_float64(case, feature, kv_dtype):
     k_scale = v_scale = 1.0
     if kv_dtype is not None:  # the cache holds x / scale in fp8, as vLLM's writer stores it
         k_scale, v_scale = 0.05, 0.02
-        batch = (batch[0], (batch[1].float() / k_scale).to(kv_dtype), (batch[2].float() / v_scale).to(kv_dtype),
-                 *batch[3:])
+        batch = dataclasses.replace(batch, key_cache=(batch.key_cache.float() / k_scale).to(kv_dtype),
+                                    value_cache=(batch.value_cache.float() / v_scale).to(kv_dtype))
     kw = dict(FEATURES[feature])
     sinks = torch.randn(hq, generator=torch.Generator().manual_seed(5)) * 2 if kw.pop("sinks", False) else None
-    q, k, v, bt, sl, qsl = batch
-    meta = BatchMeta(sl.tolist(), qsl.tolist()[:-1], (qsl[1:] - qsl[:-1]).tolist(), hq, hkv, d, page)
+    meta = BatchMeta.from_host(batch.seq_lens, batch.query_start_loc)
     for lam in (0.0, 0.1, 0.8):
-        out, sk, vis = cpu_impl.forward(q, k, v, bt, meta, scale=0.5, causal=True, threshold=lam,
-                                        count_thresholds=torch.full((1, len(kv_lens)), lam), out=torch.empty_like(q),
-                                        sinks=sinks, k_scale=k_scale, v_scale=v_scale, **kw)
+        lams = torch.full((len(kv_lens),), lam)
+        out, sk, vis = cpu_impl.forward(batch, LayerSpec(0.5), meta, threshold=lams, count_thresholds=lams[None],
+                                        out=torch.empty_like(batch.query), sinks=sinks, k_scale=k_scale,
+                                        v_scale=v_scale, **kw)
         ref, ref_sk, ref_vis = feature_reference(batch, 0.5, lam, window=kw.get("sliding_window"),
                                                  cap=kw.get("logits_soft_cap"), sinks=sinks, k_scale=k_scale,
                                                  v_scale=v_scale)
