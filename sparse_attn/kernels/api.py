@@ -57,7 +57,7 @@ def _run(batch: PagedBatch, spec: LayerSpec, threshold, candidates, count: bool,
         meta = validate(batch, spec, out, check)
     else:
         meta = batch.host
-        if meta is None and backend in (torch_impl, cpu_impl):   # host tensors: reading them is no sync
+        if meta is None and backend is torch_impl:   # host tensors: reading them is no sync (cpu_impl reads them itself)
             meta = BatchMeta.from_host(batch.seq_lens, batch.query_start_loc)
     reads_device = check == "full" or (bool(check) and batch.host is None)
     num_seqs, dev = batch.num_seqs, batch.query.device

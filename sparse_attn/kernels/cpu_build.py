@@ -36,7 +36,7 @@ import torch
 SOURCE = Path(__file__).resolve().parent / "csrc" / "skip_attn_cpu.cpp"
 #: Headers the source includes (part of the cache key).
 HEADERS = ("sa_simd.h", "sa_kernels.h")
-ABI_VERSION = 2
+ABI_VERSION = 3
 #: Seconds one compile may take before it is abandoned (measured: ~7 s of CPU time with g++ 12).
 COMPILE_TIMEOUT_S = 600
 # -O2, not -O3: the micro-kernels carry their own unroll pragmas, so -O3 bought nothing

@@ -36,6 +36,7 @@ class _Call(ctypes.Structure):
         ("head_dim", ctypes.c_int32), ("page_size", ctypes.c_int32),
         ("causal", ctypes.c_int32), ("window", ctypes.c_int32), ("split_tiles", ctypes.c_int32),
         ("num_threads", ctypes.c_int32), ("num_counts", ctypes.c_int32), ("bt_is64", ctypes.c_int32),
+        ("sl_is64", ctypes.c_int32), ("qsl_is64", ctypes.c_int32),
         ("scale", ctypes.c_float), ("soft_cap", ctypes.c_float), ("v_scale", ctypes.c_float),
         ("q", ctypes.c_void_p), ("q_st", ctypes.c_int64), ("q_sh", ctypes.c_int64), ("q_sd", ctypes.c_int64),
         ("out", ctypes.c_void_p), ("o_st", ctypes.c_int64), ("o_sh", ctypes.c_int64), ("o_sd", ctypes.c_int64),
@@ -44,7 +45,8 @@ class _Call(ctypes.Structure):
         ("v", ctypes.c_void_p), ("v_sb", ctypes.c_int64), ("v_st", ctypes.c_int64), ("v_sh", ctypes.c_int64),
         ("v_sd", ctypes.c_int64),
         ("bt", ctypes.c_void_p), ("bt_s0", ctypes.c_int64), ("bt_s1", ctypes.c_int64),
-        ("seq_info", ctypes.c_void_p), ("lam", ctypes.c_void_p), ("count_lam", ctypes.c_void_p),
+        ("seq_lens", ctypes.c_void_p), ("qsl", ctypes.c_void_p), ("sl_s", ctypes.c_int64), ("qsl_s", ctypes.c_int64),
+        ("lam", ctypes.c_void_p), ("count_lam", ctypes.c_void_p),
         ("sink_logits", ctypes.c_void_p), ("skipped", ctypes.c_void_p), ("visited", ctypes.c_void_p),
     ]
 
@@ -191,14 +193,14 @@ def forward(
         require()
         lib = _state["lib"]
     query, key_cache, value_cache, block_table = batch.query, batch.key_cache, batch.value_cache, batch.block_table
-    num_seqs = len(meta.seq_lens)
-    hq = batch.num_q_heads
-    seq_info = torch.tensor([meta.seq_lens, meta.q_starts, meta.q_lens], dtype=torch.int64)
+    num_seqs, hq = batch.num_seqs, batch.num_q_heads
+    # The lengths are read from the batch's own CPU tensors (meta is their host copy).
+    seq_lens, qsl = _index_tensor(batch.seq_lens), _index_tensor(batch.query_start_loc)
     lam = threshold.to("cpu", torch.float32).contiguous()
     n_counts = 0 if count_thresholds is None else int(count_thresholds.shape[0])
     count_lam = None if count_thresholds is None else count_thresholds.to("cpu", torch.float32).contiguous()
     skipped = torch.zeros(n_counts, hq, dtype=torch.int64)
-    visited = torch.zeros(1, dtype=torch.int64)
+    visited = torch.zeros(hq, dtype=torch.int64)
     bt = block_table if block_table.dtype in (torch.int32, torch.int64) else block_table.long()
     sinks_f32 = None if sinks is None else sinks.detach().to("cpu", torch.float32).contiguous()
     c = _Call()
@@ -210,6 +212,7 @@ def forward(
     c.causal, c.window = int(spec.causal), int(sliding_window or 0)
     c.split_tiles, c.num_threads = split_k // TILE_K, torch.get_num_threads()
     c.num_counts, c.bt_is64 = n_counts, int(bt.dtype == torch.int64)
+    c.sl_is64, c.qsl_is64 = int(seq_lens.dtype == torch.int64), int(qsl.dtype == torch.int64)
     c.scale, c.soft_cap, c.v_scale = float(spec.scale) * float(k_scale), float(logits_soft_cap or 0.0), float(v_scale)
     c.q = query.data_ptr()
     c.q_st, c.q_sh, c.q_sd = query.stride()
@@ -221,7 +224,8 @@ def forward(
     c.v_sb, c.v_st, c.v_sh, c.v_sd = value_cache.stride()
     c.bt = bt.data_ptr()
     c.bt_s0, c.bt_s1 = bt.stride()
-    c.seq_info = seq_info.data_ptr()
+    c.seq_lens, c.sl_s = seq_lens.data_ptr(), seq_lens.stride(0)
+    c.qsl, c.qsl_s = qsl.data_ptr(), qsl.stride(0)
     c.lam = lam.data_ptr()
     c.count_lam = None if count_lam is None else count_lam.data_ptr()
     c.sink_logits = None if sinks_f32 is None else sinks_f32.data_ptr()
@@ -233,4 +237,11 @@ def forward(
                            f"{ {1: 'CPU lacks the ISA it was built for', 2: 'bad call', 3: 'out of memory'}.get(rc)})")
     if count_thresholds is None:
         return out, None, None
-    return out, skipped, visited.expand(hq).clone()
+    return out, skipped, visited
+
+
+def _index_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a CPU int32/int64 tensor the kernel can read in place (any stride)."""
+    if t.device.type != "cpu" or t.dtype not in (torch.int32, torch.int64):
+        t = t.to("cpu", torch.int64)
+    return t

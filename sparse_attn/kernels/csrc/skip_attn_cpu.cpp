@@ -38,7 +38,7 @@ using namespace sa;
 
 namespace {
 
-constexpr int kAbiVersion = 2;
+constexpr int kAbiVersion = 3;
 constexpr int TILE_Q = 64;  // must equal _common.TILE_Q
 // Rows per item: 4 heads x 64 rows x D 64-128 keeps Q, S and O (3 x M x D fp32, <= 384 KiB)
 // inside the 1 MiB L2 of the machine this was tuned on; larger GQA groups get several items.
@@ -81,7 +81,7 @@ struct SaCall {
   int32_t dtype;     // query / out: 0 fp32, 1 bf16, 2 fp16
   int32_t kv_dtype;  // caches: 0 fp32, 1 bf16, 2 fp16, 3 float8_e4m3fn, 4 float8_e5m2
   int32_t num_seqs, num_q_heads, num_kv_heads, head_dim, page_size;
-  int32_t causal, window, split_tiles, num_threads, num_counts, bt_is64;
+  int32_t causal, window, split_tiles, num_threads, num_counts, bt_is64, sl_is64, qsl_is64;
   float scale;     // softmax scale times the K dequantisation scale
   float soft_cap;  // 0: none
   float v_scale;   // V dequantisation scale (1 for unquantised caches)
@@ -95,12 +95,14 @@ struct SaCall {
   int64_t v_sb, v_st, v_sh, v_sd;
   const void* bt;
   int64_t bt_s0, bt_s1;
-  const int64_t* seq_info;  // [3, num_seqs]: kv lengths, first query row, query lengths
+  const void* seq_lens;     // [num_seqs] KV lengths (stride sl_s), int32 or int64
+  const void* qsl;          // [num_seqs + 1] query offsets (stride qsl_s), int32 or int64
+  int64_t sl_s, qsl_s;
   const float* lam;         // [num_seqs] serving lambdas, or null (dense)
   const float* count_lam;   // [num_counts, num_seqs] candidate lambdas, or null
   const float* sink_logits;  // [num_q_heads] learned sink logits, or null
   int64_t* skipped;         // [num_counts, num_q_heads], added to
-  int64_t* visited;         // [1], added to
+  int64_t* visited;         // [num_q_heads], each added to (the count is the same for every head)
 };
 }
 
@@ -207,11 +209,11 @@ void store_out_rows(const SaCall& c, const Item& it, int64_t row0, int nr, const
 // One item.  KVT: cache type.  KD / VD: an fp32 cache's K / V read in place; every other
 // cache type and layout is converted into the fp32 gather buffers.
 template <typename KVT, bool KD, bool VD>
-void run_item(const SaCall& c, const Item& it, Scratch& sc, Counts& cnt, bool test) {
+void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc, Counts& cnt, bool test) {
   static_assert(!(KD || VD) || std::is_same<KVT, float>::value, "only fp32 caches are read in place");
   const int D = c.head_dim, g = c.num_q_heads / c.num_kv_heads, S = c.num_seqs;
   const int s = it.seq, kvh = it.kvh;
-  const int64_t kv = c.seq_info[s], qs = c.seq_info[S + s], ql = c.seq_info[2 * S + s];
+  const int64_t kv = info[s], qs = info[S + s], ql = info[2 * S + s];
   const int r0 = it.qtile * TILE_Q;
   const int nr = int(std::min<int64_t>(TILE_Q, ql - r0));
   const int nh = it.nh, M = nh * nr;
@@ -421,12 +423,25 @@ void run_item(const SaCall& c, const Item& it, Scratch& sc, Counts& cnt, bool te
   PROF(P_OUT);
 }
 
+inline int64_t index_at(const void* p, int is64, int64_t i) {
+  return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<const int32_t*>(p)[i];
+}
+
 template <typename KVT>
 int run(const SaCall& c) {
   const int S = c.num_seqs, g = c.num_q_heads / c.num_kv_heads;
+  // [3, S]: KV length, first query row, query length of each sequence (read from the host
+  // tensors themselves: no Python-side copy per call).
+  std::vector<int64_t> info(3 * size_t(S));
+  for (int s = 0; s < S; ++s) {
+    const int64_t a = index_at(c.qsl, c.qsl_is64, s * c.qsl_s), b = index_at(c.qsl, c.qsl_is64, (s + 1) * c.qsl_s);
+    info[s] = index_at(c.seq_lens, c.sl_is64, s * c.sl_s);
+    info[S + s] = a;
+    info[2 * S + s] = b - a;
+  }
   std::vector<Item> items;
   for (int s = 0; s < S; ++s) {
-    const int64_t kv = c.seq_info[s], ql = c.seq_info[2 * S + s];
+    const int64_t kv = info[s], ql = info[2 * S + s];
     if (ql <= 0) continue;
     const int nq = int((ql + TILE_Q - 1) / TILE_Q);
     for (int qt = 0; qt < nq; ++qt) {
@@ -468,12 +483,12 @@ int run(const SaCall& c) {
       for (int i = next.fetch_add(1); i < nitems; i = next.fetch_add(1)) {
         const Item& it = items[i];
         if constexpr (std::is_same<KVT, float>::value) {
-          if (kdirect && vdirect) run_item<KVT, true, true>(c, it, sc, cnt, test);
-          else if (kdirect) run_item<KVT, true, false>(c, it, sc, cnt, test);
-          else if (vdirect) run_item<KVT, false, true>(c, it, sc, cnt, test);
-          else run_item<KVT, false, false>(c, it, sc, cnt, test);
+          if (kdirect && vdirect) run_item<KVT, true, true>(c, info.data(), it, sc, cnt, test);
+          else if (kdirect) run_item<KVT, true, false>(c, info.data(), it, sc, cnt, test);
+          else if (vdirect) run_item<KVT, false, true>(c, info.data(), it, sc, cnt, test);
+          else run_item<KVT, false, false>(c, info.data(), it, sc, cnt, test);
         } else {
-          run_item<KVT, false, false>(c, it, sc, cnt, test);
+          run_item<KVT, false, false>(c, info.data(), it, sc, cnt, test);
         }
       }
     } catch (const std::bad_alloc&) {
@@ -502,7 +517,8 @@ int run(const SaCall& c) {
   if (status.load()) return status.load();
   for (const Counts& cnt : counts) {
     for (size_t i = 0; i < cnt.skipped.size(); ++i) c.skipped[i] += cnt.skipped[i];
-    if (c.visited) *c.visited += cnt.visited;
+    if (c.visited)
+      for (int h = 0; h < c.num_q_heads; ++h) c.visited[h] += cnt.visited;
   }
   return 0;
 }
