@@ -10,7 +10,9 @@
 //   heads).  The rows of the item are (head-in-run, row) ordered, so one K/V tile read
 //   serves every query head of the GQA group (the packing; vLLM's own vec kernel packs
 //   only when 8 is a multiple of the group, so SmolLM2's group of 3 reads K/V once per
-//   query head there), and each head's rows are one contiguous block: a head whose tile is
+//   query head there).  Measured, 1 thread, 9/3/64 heads, CPU time: decode 4 x 8k 5.1 ms
+//   packed vs 8.6 ms with one query head per item (memory-bound: 3x the K/V reads); prefill
+//   2k 74.5 vs 74.9 ms (compute-bound).  Each head's rows are one contiguous block: a head whose tile is
 //   skipped leaves its block out of exp and P.V, and the V tile is not read at all when
 //   every head of the item skips it.  The item walks its KV tiles in order (tile-major
 //   inner loop: Q, S and O of the item stay in L2 while K/V stream) with the rule's dense
