@@ -70,17 +70,17 @@ KERNEL_CASES = {
     # Every tile opens a split: each split program reads the anchor's K tile for its seed.
     "gqa4-decode-split-per-tile": ([1100, 300], [1, 1], 8, 2, 128, 16, "contiguous", 64, {}),
     "gemma3-window512-d256": ([3000, 700, 1200], [1, 1, 500], 4, 1, 256, 16, "packed_kv", None,
-                              dict(sliding_window=512)),
+                              dict(window=512)),
     "gptoss-sinks-window128-fp8": ([2500, 300, 900], [1, 1, 200], 16, 2, 64, 16, "packed_kv", 256,
-                                   dict(sliding_window=128, sinks=True, kv=E4M3, scales="tensor")),
+                                   dict(window=128, sink_logits=True, kv=E4M3, scales="tensor")),
     "softcap50-fp8e5m2-d128": ([1800, 600], [1, 300], 8, 2, 128, 16, "dim_major_k", 512,
-                               dict(logits_soft_cap=50.0, kv=E5M2, scales="float")),
+                               dict(soft_cap=50.0, kv=E5M2, scales="float")),
 }
 DRY_KERNEL_CASES = {
     "gqa1-decode-splits": ([300, 65], [1, 1], 2, 2, 16, 16, "contiguous", 128, {}),
     "gqa4-mixed-batch": ([200, 30, 0], [1, 30, 0], 8, 2, 16, 16, "dim_major_k", 128, {}),
     "window-sinks-fp8": ([260, 90], [1, 70], 4, 1, 16, 16, "packed_kv", 128,
-                         dict(sliding_window=100, sinks=True, kv=E4M3, scales="tensor", logits_soft_cap=8.0)),
+                         dict(window=100, sink_logits=True, kv=E4M3, scales="tensor", soft_cap=8.0)),
 }
 LAMS = [0.0, 1e-3, 0.05, 0.4]
 DRY_LAMS = [0.0, 0.4]
@@ -98,16 +98,16 @@ def _case(kv_lens, q_lens, hq, hkv, d, page, layout, features, dtype, seed=41):
     k_scale, v_scale = (0.5, 2.0) if kv_dtype is not None else (1.0, 1.0)
     batch = make_batch(kv_lens, q_lens, hq, hkv, d, page, layout=layout, dtype=dtype, seed=seed, kv_dtype=kv_dtype,
                        k_scale=k_scale, v_scale=v_scale)
-    batch = add_sink_token(batch, strength=3.0 / k_scale ** 0.5, every=192 if f.get("sliding_window") else None)
-    if f.pop("sinks", False):
-        f["sinks"] = torch.randn(hq, generator=torch.Generator().manual_seed(seed)) * 2
+    batch = add_sink_token(batch, strength=3.0 / k_scale ** 0.5, every=192 if f.get("window") else None)
+    if f.pop("sink_logits", False):
+        f["sink_logits"] = torch.randn(hq, generator=torch.Generator().manual_seed(seed)) * 2
     if scales == "tensor":
         k_scale, v_scale = torch.tensor([k_scale]), torch.tensor([v_scale])
     return batch, LayerSpec(2.0 * d ** -0.5, k_scale=k_scale, v_scale=v_scale, **f)
 
 
 def _spec_to(spec, device):
-    moved = {n: getattr(spec, n).to(device) for n in ("sinks", "k_scale", "v_scale")
+    moved = {n: getattr(spec, n).to(device) for n in ("sink_logits", "k_scale", "v_scale")
              if isinstance(getattr(spec, n), torch.Tensor)}
     return dataclasses.replace(spec, **moved)
 
@@ -172,7 +172,7 @@ def _flashinfer_decode_batch(num_seqs, max_blocks, hq, hkv, d, page, dtype, devi
 
 #: The graph variants: a plain layer, and gpt-oss-like features (window, sinks, an fp8 e4m3
 #: cache with device scales that change between replays).
-GRAPH_VARIANTS = {"plain": {}, "window-sinks-fp8": dict(sliding_window=1000, sinks=True, kv=E4M3)}
+GRAPH_VARIANTS = {"plain": {}, "window-sinks-fp8": dict(window=1000, sink_logits=True, kv=E4M3)}
 
 
 def check_graph(device, dry_run, log, sizes=(32, 8, 128, 16, 256, 8), variant="plain"):
@@ -208,7 +208,7 @@ def check_graph(device, dry_run, log, sizes=(32, 8, 128, 16, 256, 8), variant="p
     out_static = torch.empty_like(query)
     spec = LayerSpec(d ** -0.5)
     if features:
-        spec = LayerSpec(d ** -0.5, sliding_window=features["sliding_window"], sinks=layer_d["sinks"],
+        spec = LayerSpec(d ** -0.5, window=features["window"], sink_logits=layer_d["sinks"],
                          k_scale=layer_d["k_scale"], v_scale=layer_d["v_scale"])
     batch = PagedBatch(q_static, kc, vc, block_table, seq_lens, qsl, max_query_len=1)
 

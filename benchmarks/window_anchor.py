@@ -170,7 +170,7 @@ def main(argv=None):
     cache = lambda x: x.transpose(0, 1).contiguous().view(t // 16, 16, x.shape[0], x.shape[2])   # noqa: E731
     batch = PagedBatch(q.transpose(0, 1).contiguous(), cache(k), cache(v), torch.arange(t // 16)[None].int(),
                        torch.tensor([t], dtype=torch.int32), torch.tensor([0, t], dtype=torch.int32))
-    _, sk, vis = paged_attention_counts(batch, LayerSpec(scale, sliding_window=window), LAMBDAS, impl="torch",
+    _, sk, vis = paged_attention_counts(batch, LayerSpec(scale, window=window), LAMBDAS, impl="torch",
                                         split_k=1 << 20)
     mine = tile_stats(q, k, v, scale, window, phases["prefill"], "first")
     mine_sk = [sum(int((r < lam).sum()) for r, _, _ in mine) for lam in LAMBDAS]

@@ -125,11 +125,11 @@ class LayerSpec:
     ``scale``: softmax scale applied to ``q . k`` (logits per dot-product unit).
     ``causal``: a query row at position ``p`` sees KV positions ``<= p``; ``False``: all
     ``kv_len`` positions.
-    ``sliding_window``: ``w`` tokens or ``None``: a row at position ``p`` sees only
+    ``window``: ``w`` tokens or ``None``: a row at position ``p`` sees only
     ``[p - w + 1, p]`` (needs ``causal``; vLLM's ``(w - 1, 0)`` window is ``w``).
-    ``logits_soft_cap``: ``cap`` or ``None``: logits become ``cap * tanh(logit / cap)``
+    ``soft_cap``: ``cap`` or ``None``: logits become ``cap * tanh(logit / cap)``
     (Gemma 2's 50.0) before the skip test and the softmax.
-    ``sinks``: ``[Hq]`` float tensor on the query's device, or ``None``: one learned logit
+    ``sink_logits``: ``[Hq]`` float tensor on the query's device, or ``None``: one learned logit
     per query head added to the softmax denominator only (gpt-oss: ``p_j = exp(s_j) /
     (sum_k exp(s_k) + exp(sink_h))``); it has no value and never enters the skip test.
     ``k_scale`` / ``v_scale``: per-tensor dequantisation scales of an fp8 cache (a float,
@@ -141,8 +141,8 @@ class LayerSpec:
 
     scale: float
     causal: bool = True
-    sliding_window: int | None = None
-    logits_soft_cap: float | None = None
-    sinks: torch.Tensor | None = None
+    window: int | None = None
+    soft_cap: float | None = None
+    sink_logits: torch.Tensor | None = None
     k_scale: float | torch.Tensor = 1.0
     v_scale: float | torch.Tensor = 1.0

@@ -208,23 +208,23 @@ def check_spec(spec: LayerSpec, batch: PagedBatch) -> None:
         fail("scale is not a number", repr(spec.scale), "a finite float")
     if not math.isfinite(scale):
         fail("scale", scale, "a finite float")
-    w = spec.sliding_window
+    w = spec.window
     if w is not None:
         if isinstance(w, bool) or not isinstance(w, int) or w < 1:
-            fail("sliding_window (tokens a query sees, itself included)", repr(w), "an int >= 1 or None")
+            fail("window (tokens a query sees, itself included)", repr(w), "an int >= 1 or None")
         if not spec.causal:
-            fail("sliding_window without causal", "causal=False", "causal=True (a window [p - w + 1, p])")
-    cap = spec.logits_soft_cap
+            fail("window without causal", "causal=False", "causal=True (a window [p - w + 1, p])")
+    cap = spec.soft_cap
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap)
                             or cap <= 0):
-        fail("logits_soft_cap", repr(cap), "a finite float > 0 or None")
-    if spec.sinks is not None:
-        sinks = spec.sinks
+        fail("soft_cap", repr(cap), "a finite float > 0 or None")
+    if spec.sink_logits is not None:
+        sinks = spec.sink_logits
         if not isinstance(sinks, torch.Tensor) or sinks.shape != (batch.num_q_heads,) \
                 or not sinks.is_floating_point() or sinks.device != batch.query.device:
             seen = (tuple(sinks.shape), sinks.dtype, sinks.device) if isinstance(sinks, torch.Tensor) \
                 else type(sinks).__name__
-            fail("sinks (one logit per query head)", seen, f"a float tensor [{batch.num_q_heads}] on {batch.query.device}")
+            fail("sink_logits (one per query head)", seen, f"a float tensor [{batch.num_q_heads}] on {batch.query.device}")
     _check_scale_value(spec.k_scale, "k_scale", batch.query.device)
     _check_scale_value(spec.v_scale, "v_scale", batch.query.device)
 

@@ -24,17 +24,17 @@ FP8_KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 #: Features the kernels compute (torch and Triton, serving and counting, the float64
 #: reference): False until the serving path hands them to the kernels through
 #: :func:`spec_for`; a feature refused here stays on native attention.
-SERVED = {"sliding_window": False, "logits_soft_cap": False, "sinks": False, "fp8_kv_cache": False}
+SERVED = {"window": False, "soft_cap": False, "sink_logits": False, "fp8_kv_cache": False}
 
 
 def unsupported(features: Any) -> tuple[str, ...]:
     """The features of a layer that the kernels do not serve, one phrase each; empty = servable."""
     reasons = []
-    if features.sliding_window is not None and not SERVED["sliding_window"]:
+    if features.sliding_window is not None and not SERVED["window"]:
         reasons.append(f"sliding window {features.sliding_window}")
-    if features.logits_soft_cap is not None and not SERVED["logits_soft_cap"]:
+    if features.logits_soft_cap is not None and not SERVED["soft_cap"]:
         reasons.append(f"logits soft-cap {features.logits_soft_cap}")
-    if features.has_sinks and not SERVED["sinks"]:
+    if features.has_sinks and not SERVED["sink_logits"]:
         reasons.append("attention sinks")
     dtype = features.kv_cache_dtype
     if dtype not in UNQUANTISED_KV_DTYPES and not (dtype in FP8_KV_DTYPES and SERVED["fp8_kv_cache"]):
@@ -50,11 +50,11 @@ def unsupported(features: Any) -> tuple[str, ...]:
     return tuple(reasons)
 
 
-def spec_for(features: Any, *, scale: float, sinks: torch.Tensor | None = None,
+def spec_for(features: Any, *, scale: float, sink_logits: torch.Tensor | None = None,
              k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0) -> LayerSpec:
     """The :class:`LayerSpec` of a decoder layer with ``features`` (build it once per layer).
 
-    ``scale``: the layer's softmax scale; ``sinks``: its ``[num_heads]`` sink logits (a
+    ``scale``: the layer's softmax scale; ``sink_logits``: its ``[num_heads]`` sinks (a
     device tensor; required when ``features.has_sinks``); ``k_scale`` / ``v_scale``: its
     fp8 cache scales (floats or 1-element device tensors vLLM updates in place; used only
     for an fp8 cache, where the cache views carry the fp8 dtype).  Raises ``ValueError``
@@ -64,10 +64,10 @@ def spec_for(features: Any, *, scale: float, sinks: torch.Tensor | None = None,
     if refused:
         raise ValueError(f"sparse_attn.kernels.spec_for: the kernels do not serve {', '.join(refused)}; "
                          "expected a layer that kernels.support.unsupported() accepts (keep it on native attention)")
-    if features.has_sinks and sinks is None:
+    if features.has_sinks and sink_logits is None:
         raise ValueError("sparse_attn.kernels.spec_for: the layer has sinks but no sinks tensor was given; "
                          "expected its [num_heads] sink logits")
     fp8 = features.kv_cache_dtype in FP8_KV_DTYPES
-    return LayerSpec(scale, causal=True, sliding_window=features.sliding_window,
-                     logits_soft_cap=features.logits_soft_cap, sinks=sinks if features.has_sinks else None,
+    return LayerSpec(scale, causal=True, window=features.sliding_window,
+                     soft_cap=features.logits_soft_cap, sink_logits=sink_logits if features.has_sinks else None,
                      k_scale=k_scale if fp8 else 1.0, v_scale=v_scale if fp8 else 1.0)

@@ -107,8 +107,8 @@ class _Group:
     def __init__(self, batch, spec, meta, block_table, seqs, rows, threshold, lams, tiles_per_split):
         self.hkv, self.g, self.d = batch.num_kv_heads, batch.group, batch.head_dim
         self.rows, self.tiles_per_split = rows, tiles_per_split
-        self.window, self.cap = spec.sliding_window, spec.logits_soft_cap
-        self.sinks, self.v_scale = spec.sinks, spec.v_scale
+        self.window, self.cap = spec.window, spec.soft_cap
+        self.sink_logits, self.v_scale = spec.sink_logits, spec.v_scale
         w = self.window
         walk = {}
         for s in seqs:                  # host ints: the first query tile's anchor .. the last tile
@@ -298,8 +298,8 @@ class _Group:
         """Normalise (sinks in the denominator, v_scale on the output) and store the valid rows."""
         hkv, g, rows, nq, d, b_all = self.hkv, self.g, self.rows, self.nq, self.d, self.b_all
         v_scale = self.v_scale
-        if self.sinks is not None:
-            sink = self.sinks.float().view(hkv, 1, 1, g, 1).expand(hkv, b_all, nq, g, rows).reshape(self.m_ref.shape)
+        if self.sink_logits is not None:
+            sink = self.sink_logits.float().view(hkv, 1, 1, g, 1).expand(hkv, b_all, nq, g, rows).reshape(self.m_ref.shape)
             m_fin = torch.maximum(self.m_ref, sink)
             alpha = torch.exp(self.m_ref - m_fin)
             o = self.acc * (alpha / (self.l_sum * alpha + torch.exp(sink - m_fin))).unsqueeze(-1)

@@ -191,7 +191,7 @@ def grid_for(batch: PagedBatch, spec: LayerSpec, meta: BatchMeta | None, split_k
     block_m = min(TILE_Q, max(next_pow2(max(max_q, 1)), -(-16 // heads)))
     if phase == "decode":
         slots = n_seqs                 # slot s is sequence s (the merge kernel relies on it)
-        kv_progs = kv_programs(n_seqs, hkv * head_chunks, max_kv, split_k, spec.sliding_window)
+        kv_progs = kv_programs(n_seqs, hkv * head_chunks, max_kv, split_k, spec.window)
     elif meta is not None:
         slots, kv_progs = max(1, sum(-(-n // block_m) for n in meta.q_lens)), 1
     else:
@@ -264,9 +264,9 @@ def prepare(
     else:
         k_scale = v_scale = bufs["L_PART"]             # unused pointers
         scale, v_scale_f = float(spec.scale) * float(spec.k_scale), float(spec.v_scale)
-    sinks = spec.sinks if spec.sinks is not None else bufs["L_PART"]
-    window = spec.sliding_window
-    cap = spec.logits_soft_cap
+    sinks = spec.sink_logits if spec.sink_logits is not None else bufs["L_PART"]
+    window = spec.window
+    cap = spec.soft_cap
 
     plan = Plan(grid, out=out, skip_cnt=bufs["SKIP_CNT"] if counting else None,
                 vis_cnt=bufs["VIS_CNT"] if counting else None, n_thr=n_thr)
@@ -282,7 +282,7 @@ def prepare(
          *batch.block_table.stride()),
         dict(GROUP=batch.group, HEADS=grid.heads, HEAD_DIM=batch.head_dim, BLOCK_D=grid.block_d,
              BLOCK_M=grid.block_m, BLOCK_N=TILE_K, BLOCK_T=block_t, CAUSAL=bool(spec.causal),
-             WINDOW=window is not None, SOFT_CAP=cap is not None, HAS_SINKS=spec.sinks is not None,
+             WINDOW=window is not None, SOFT_CAP=cap is not None, HAS_SINKS=spec.sink_logits is not None,
              SCALE_PTRS=scale_ptrs, COUNT=counting, SPLIT=grid.split,
              FP32_DOT=query.dtype == torch.float32 or _interpreting(),
              num_warps=cfg.num_warps, num_stages=cfg.num_stages)))
@@ -292,7 +292,7 @@ def prepare(
             (bufs["O_PART"], bufs["M_PART"], bufs["L_PART"], out, batch.query_start_loc, sinks, v_scale, v_scale_f,
              grid.kv_progs, hq, *out.stride()),
             dict(HEAD_DIM=batch.head_dim, BLOCK_D=grid.block_d, BLOCK_S=max(2, next_pow2(grid.kv_progs)),
-                 HAS_SINKS=spec.sinks is not None, SCALE_PTRS=scale_ptrs, num_warps=4)))
+                 HAS_SINKS=spec.sink_logits is not None, SCALE_PTRS=scale_ptrs, num_warps=4)))
     return plan
 
 

@@ -115,8 +115,8 @@ def reference(batch, spec, lam=0.0, thresholds=(), split_k=SPLIT_K):
     t_tokens, hq, d = q.shape
     g = hq // k.shape[2]
     logit_scale = float(spec.scale) * _scale_value(spec.k_scale)
-    w, cap = spec.sliding_window, spec.logits_soft_cap
-    sinks = None if spec.sinks is None else spec.sinks.detach().double().cpu()
+    w, cap = spec.window, spec.soft_cap
+    sinks = None if spec.sink_logits is None else spec.sink_logits.detach().double().cpu()
     out = torch.zeros(t_tokens, hq, d, dtype=torch.float64)
     skipped = torch.zeros(hq, dtype=torch.int64)
     visited = torch.zeros(hq, dtype=torch.int64)

@@ -50,9 +50,9 @@ SCRIPT = textwrap.dedent('''
                            torch.empty(len(kv_lens) + 1, dtype=torch.int32, **META),
                            host=BatchMeta.from_host(kv_lens, qsl))
         spec_kw = dict(spec_kw)
-        for name in ("sinks", "k_scale", "v_scale"):
+        for name in ("sink_logits", "k_scale", "v_scale"):
             if spec_kw.get(name) == "tensor":
-                spec_kw[name] = torch.empty(hq if name == "sinks" else 1, dtype=torch.float32, **META)
+                spec_kw[name] = torch.empty(hq if name == "sink_logits" else 1, dtype=torch.float32, **META)
         n = len(kv_lens)
         return ti.prepare(batch, LayerSpec(d ** -0.5, **spec_kw), batch.host,
                           threshold=torch.empty(n, dtype=torch.float32, **META),
@@ -80,13 +80,13 @@ SCRIPT = textwrap.dedent('''
         ("llama-prefill", BF16, BF16, 32, 8, 128, [4096], [4096], {}, False),
         ("llama-decode-batch256", F16, F16, 64, 8, 128, [8192] * 256, [1] * 256, {}, False),
         ("llama-prefill-fp32", F32, F32, 32, 8, 128, [2048], [2048], {}, True),
-        ("gemma3-decode-window", BF16, BF16, 4, 1, 256, [32768], [1], dict(sliding_window=512), True),
-        ("gemma3-prefill-window", BF16, BF16, 4, 1, 256, [8192], [8192], dict(sliding_window=512), False),
+        ("gemma3-decode-window", BF16, BF16, 4, 1, 256, [32768], [1], dict(window=512), True),
+        ("gemma3-prefill-window", BF16, BF16, 4, 1, 256, [8192], [8192], dict(window=512), False),
         ("gptoss-decode-fp8", BF16, E4M3, 64, 8, 64, [16384], [1],
-         dict(sliding_window=128, sinks="tensor", k_scale="tensor", v_scale="tensor"), True),
+         dict(window=128, sink_logits="tensor", k_scale="tensor", v_scale="tensor"), True),
         ("gptoss-prefill-fp8", BF16, E4M3, 64, 8, 64, [4096], [4096],
-         dict(sinks="tensor", k_scale="tensor", v_scale="tensor"), False),
-        ("softcap-prefill-e5m2", F16, E5M2, 8, 4, 256, [4096], [512], dict(logits_soft_cap=50.0, k_scale=0.5), False),
+         dict(sink_logits="tensor", k_scale="tensor", v_scale="tensor"), False),
+        ("softcap-prefill-e5m2", F16, E5M2, 8, 4, 256, [4096], [512], dict(soft_cap=50.0, k_scale=0.5), False),
     ]
     for name, *args in CASES:
         p = plan(*args)

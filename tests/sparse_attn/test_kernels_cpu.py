@@ -438,9 +438,9 @@ def test_cache_key_follows_source_isa_and_profile(monkeypatch, tmp_path):
 # --------------------------------------------------------------------------- layer features
 
 FEATURES = {
-    "window100": dict(sliding_window=100),
-    "window160-cap20-sinks": dict(sliding_window=160, logits_soft_cap=20.0, sinks=True),
-    "cap3": dict(logits_soft_cap=3.0),
+    "window100": dict(window=100),
+    "window160-cap20-sinks": dict(window=160, soft_cap=20.0, sinks=True),
+    "cap3": dict(soft_cap=3.0),
     "sinks": dict(sinks=True),
 }
 
@@ -465,7 +465,7 @@ def test_layer_features_match_float64(case, feature, kv_dtype):
                                     value_cache=(batch.value_cache.float() / v_scale).to(kv_dtype))
     kw = dict(FEATURES[feature])
     sinks = torch.randn(hq, generator=torch.Generator().manual_seed(5)) * 2 if kw.pop("sinks", False) else None
-    spec = LayerSpec(0.5, sinks=sinks, k_scale=k_scale, v_scale=v_scale, **kw)
+    spec = LayerSpec(0.5, sink_logits=sinks, k_scale=k_scale, v_scale=v_scale, **kw)
     meta = BatchMeta.from_host(batch.seq_lens, batch.query_start_loc)
     for lam in (0.0, 0.1, 0.8):
         lams = torch.full((len(kv_lens),), lam)

@@ -86,8 +86,8 @@ def _problem(row, seed=0):
     if kv == "e5m2":
         k_scale, v_scale = torch.tensor([k_scale]), torch.tensor(v_scale)
     gen = torch.Generator().manual_seed(seed + 1)
-    spec = LayerSpec(2.0 * D ** -0.5, sliding_window=window, logits_soft_cap=cap,
-                     sinks=torch.randn(hq, generator=gen) * 2 if sinks else None, k_scale=k_scale, v_scale=v_scale)
+    spec = LayerSpec(2.0 * D ** -0.5, window=window, soft_cap=cap,
+                     sink_logits=torch.randn(hq, generator=gen) * 2 if sinks else None, k_scale=k_scale, v_scale=v_scale)
     return batch, spec, split_k
 
 
@@ -142,7 +142,7 @@ def test_windowed_tiles_follow_the_documented_geometry(window, kv_lens, q_lens):
             last_pos = kv_len - q_len + min(row0 + TILE_Q, q_len) - 1
             expected += last_pos // TILE_K - max(0, first_pos - window + 1) // TILE_K + 1
     batch = make_batch(kv_lens, q_lens, 4, 2, 16, 16)
-    spec = LayerSpec(0.25, sliding_window=window)
+    spec = LayerSpec(0.25, window=window)
     for impl in ("torch", "triton", "compiled"):
         _, _, visited = paged_attention(batch, spec, threshold=0.0, return_counts=True, impl=impl)
         assert visited.tolist() == [expected] * 4, impl
@@ -150,7 +150,7 @@ def test_windowed_tiles_follow_the_documented_geometry(window, kv_lens, q_lens):
 
 def test_window_of_one_token_returns_each_rows_own_value():
     batch = make_batch([300, 5], [3, 5], 4, 2, 16, 16)
-    out = paged_attention(batch, LayerSpec(0.25, sliding_window=1), impl="torch")
+    out = paged_attention(batch, LayerSpec(0.25, window=1), impl="torch")
     v, bt = batch.value_cache, batch.block_table
     for s, (kv_len, q_len) in enumerate(([300, 3], [5, 5])):
         a = int(batch.query_start_loc[s])
@@ -164,7 +164,7 @@ def test_window_of_one_token_returns_each_rows_own_value():
 def test_window_covering_the_sequence_is_full_attention(impl):
     batch = add_sink_token(make_batch([300, 130, 40], [1, 130, 40], 4, 2, 16, 16, seed=3))
     full = paged_attention(batch, LayerSpec(0.5), threshold=0.3, return_counts=True, impl=impl, split_k=128)
-    windowed = paged_attention(batch, LayerSpec(0.5, sliding_window=300), threshold=0.3, return_counts=True,
+    windowed = paged_attention(batch, LayerSpec(0.5, window=300), threshold=0.3, return_counts=True,
                                impl=impl, split_k=128)
     torch.testing.assert_close(windowed[0], full[0], atol=1e-6, rtol=1e-6)
     assert windowed[1].tolist() == full[1].tolist() and windowed[2].tolist() == full[2].tolist()
@@ -180,7 +180,7 @@ def test_sink_enters_once_however_the_decode_is_split(kv_programs, monkeypatch):
 
     monkeypatch.setattr(triton_impl, "MAX_KV_PROGRAMS", kv_programs)
     batch = add_sink_token(make_batch([1000, 300, 65], [1, 1, 1], 8, 2, 16, 16, seed=4), every=192)
-    spec = LayerSpec(0.5, sinks=torch.tensor([3.0, -1.0, 0.5, 8.0, -20.0, 1.0, 2.0, 0.0]), sliding_window=700)
+    spec = LayerSpec(0.5, sink_logits=torch.tensor([3.0, -1.0, 0.5, 8.0, -20.0, 1.0, 2.0, 0.0]), window=700)
     ref, ref_sk, ref_vis, _ = reference(batch, spec, lam=0.3, split_k=128)
     out, sk, vis = paged_attention(batch, spec, threshold=0.3, return_counts=True, impl="triton", split_k=128)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
@@ -196,10 +196,10 @@ def test_sinks_and_scales_behave_as_the_formula_says():
     batch = add_sink_token(make_batch([300, 130], [1, 130], 4, 2, 16, 16, seed=6))
     base = LayerSpec(0.5)
     out, sk, _ = paged_attention(batch, base, threshold=0.2, return_counts=True, impl=impl)
-    none = paged_attention(batch, dataclasses.replace(base, sinks=torch.full((4,), -1e4)), threshold=0.2,
+    none = paged_attention(batch, dataclasses.replace(base, sink_logits=torch.full((4,), -1e4)), threshold=0.2,
                            return_counts=True, impl=impl)
     torch.testing.assert_close(none[0], out, atol=1e-6, rtol=1e-6)
-    strong = paged_attention(batch, dataclasses.replace(base, sinks=torch.full((4,), 5.0)), threshold=0.2,
+    strong = paged_attention(batch, dataclasses.replace(base, sink_logits=torch.full((4,), 5.0)), threshold=0.2,
                              return_counts=True, impl=impl)
     assert strong[1].tolist() == sk.tolist() and int(sk.sum()) > 0
     assert (strong[0].norm(dim=-1) < out.norm(dim=-1)).all()          # the sink takes probability mass
@@ -231,13 +231,13 @@ def test_unchecked_capture_path_with_every_feature_equals_checked():
 
 def _bad_specs():
     return {
-        "window-zero": dict(sliding_window=0),
-        "window-float": dict(sliding_window=64.0),
-        "window-not-causal": dict(sliding_window=64, causal=False),
-        "softcap-negative": dict(logits_soft_cap=-1.0),
-        "softcap-nan": dict(logits_soft_cap=float("nan")),
-        "sinks-wrong-length": dict(sinks=torch.zeros(3)),
-        "sinks-int": dict(sinks=torch.zeros(4, dtype=torch.int32)),
+        "window-zero": dict(window=0),
+        "window-float": dict(window=64.0),
+        "window-not-causal": dict(window=64, causal=False),
+        "softcap-negative": dict(soft_cap=-1.0),
+        "softcap-nan": dict(soft_cap=float("nan")),
+        "sinks-wrong-length": dict(sink_logits=torch.zeros(3)),
+        "sinks-int": dict(sink_logits=torch.zeros(4, dtype=torch.int32)),
         "k-scale-zero": dict(k_scale=0.0),
         "v-scale-2-elements": dict(v_scale=torch.ones(2)),
         "v-scale-str": dict(v_scale="1.0"),

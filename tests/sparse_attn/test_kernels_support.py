@@ -50,12 +50,12 @@ def test_served_features_are_accepted_and_mapped(all_served):
     features = LayerFeatures(sliding_window=512, logits_soft_cap=50.0, has_sinks=True, kv_cache_dtype="fp8_e4m3")
     assert support.unsupported(features) == ()
     sinks, k_scale, v_scale = torch.zeros(4), torch.tensor(0.5), torch.tensor(2.0)
-    spec = support.spec_for(features, scale=0.0625, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
-    assert (spec.scale, spec.causal, spec.sliding_window, spec.logits_soft_cap) == (0.0625, True, 512, 50.0)
-    assert spec.sinks is sinks and spec.k_scale is k_scale and spec.v_scale is v_scale
+    spec = support.spec_for(features, scale=0.0625, sink_logits=sinks, k_scale=k_scale, v_scale=v_scale)
+    assert (spec.scale, spec.causal, spec.window, spec.soft_cap) == (0.0625, True, 512, 50.0)
+    assert spec.sink_logits is sinks and spec.k_scale is k_scale and spec.v_scale is v_scale
     # Scales belong to an fp8 cache only: an unquantised layer ignores vLLM's (1.0) scales.
     plain = support.spec_for(LayerFeatures(), scale=0.1, k_scale=k_scale, v_scale=v_scale)
-    assert (plain.k_scale, plain.v_scale, plain.sinks, plain.sliding_window) == (1.0, 1.0, None, None)
+    assert (plain.k_scale, plain.v_scale, plain.sink_logits, plain.window) == (1.0, 1.0, None, None)
     for other in ("fp8_inc", "nvfp4", "fp8_ds_mla"):
         assert support.unsupported(LayerFeatures(kv_cache_dtype=other)) == (f"quantised KV cache ({other})",)
 
@@ -69,7 +69,7 @@ def test_spec_for_a_served_layer_computes_what_the_reference_says(all_served):
 
     batch = make_batch([300, 130], [1, 130], 4, 2, 16, 16, seed=2)
     spec = support.spec_for(LayerFeatures(sliding_window=100, logits_soft_cap=5.0, has_sinks=True), scale=0.5,
-                            sinks=torch.tensor([1.0, -2.0, 0.5, 3.0]))
+                            sink_logits=torch.tensor([1.0, -2.0, 0.5, 3.0]))
     out = paged_attention(batch, spec, impl="torch")
     torch.testing.assert_close(out.double(), reference(batch, spec)[0], atol=2e-5, rtol=1e-5)
 
