@@ -58,8 +58,12 @@ def _features(pos: torch.Tensor, rho: float, periods=_PERIODS) -> torch.Tensor:
     return (torch.cat([ang.cos(), ang.sin()], -1) * rho).float()
 
 
-def make_inputs(n_seqs, kv_len, q_len, hq, hkv, d, page, dtype, device, seed=0):
+def make_inputs(n_seqs, kv_len, q_len, hq, hkv, d, page, dtype, device, seed=0, layout="contiguous"):
     """Paged K/V cache (shuffled blocks) and queries with sink/window/topic/noise structure.
+
+    ``layout``: ``contiguous`` (K and V each ``[blocks, page, Hkv, D]``) or ``cpu-packed``
+    (vLLM's CPU cache ``[blocks, Hkv, page, 2D]``, K dim-major in each page, viewed through
+    ``compat.layouts``, as the serving adapter reads it).
 
     Returns a :class:`PagedBatch` (query ``[T, Hq, D]``, K/V ``[blocks, page, Hkv, D]``,
     int32 block table ``[S, blocks/seq]``, seq_lens ``[S]``, query_start_loc ``[S+1]``).
@@ -105,8 +109,16 @@ def make_inputs(n_seqs, kv_len, q_len, hq, hkv, d, page, dtype, device, seed=0):
     seq_lens = torch.full((n_seqs,), kv_len, dtype=torch.int32)
     qsl = torch.arange(n_seqs + 1, dtype=torch.int32) * q_len
     to = dict(device=device)
-    return PagedBatch(query.to(dtype=dtype, **to), kc.to(dtype=dtype, **to), vc.to(dtype=dtype, **to),
-                      block_table.to(**to), seq_lens.to(**to), qsl.to(**to))
+    kc, vc = kc.to(dtype=dtype, **to), vc.to(dtype=dtype, **to)
+    if layout == "cpu-packed":
+        from compat import layouts
+
+        kv = torch.empty(n_blocks, hkv, page, 2 * d, dtype=dtype, **to)
+        kc_view, vc_view = layouts.views("cpu-packed", kv, d, isa="vec")
+        kc_view.copy_(kc)
+        vc_view.copy_(vc)
+        kc, vc = kc_view, vc_view
+    return PagedBatch(query.to(dtype=dtype, **to), kc, vc, block_table.to(**to), seq_lens.to(**to), qsl.to(**to))
 
 
 def calibrate(batch, scale, targets, impl):
@@ -160,9 +172,9 @@ def run(cfg, a):
     name, n_seqs, kv_len, q_len, hq, hkv, head_dim = cfg
     device = a.device
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype]
-    impl = "torch" if device == "cpu" else "triton"
+    impl = a.impl if device == "cpu" else "triton"
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    args = make_inputs(n_seqs, kv_len, q_len, hq, hkv, head_dim, a.page_size, dtype, device)
+    args = make_inputs(n_seqs, kv_len, q_len, hq, hkv, head_dim, a.page_size, dtype, device, layout=a.layout)
     scale = 1 / math.sqrt(head_dim)
     picks, grid, frac = calibrate(args, scale, (0.5, 0.75), impl)
     q, k, v = gathered(args, q_len)
@@ -335,6 +347,10 @@ def main(argv=None):
                         "sparsity 0/50/70/90%%, vs torch SDPA)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                    help="default: fp32 on cpu, bf16 on cuda")
+    p.add_argument("--impl", choices=("auto", "torch", "compiled"), default="auto",
+                   help="cpu: which CPU kernel (default auto: sparse_attn.kernels.api.cpu_kernel's rule)")
+    p.add_argument("--layout", choices=("contiguous", "cpu-packed"), default="contiguous",
+                   help="cpu cases: cache layout (cpu-packed = vLLM's CPU cache, K dim-major; use --page-size 128)")
     p.add_argument("--hq", type=int, default=8, help="query heads (cpu cases)")
     p.add_argument("--hkv", type=int, default=2, help="KV heads (cpu cases)")
     p.add_argument("--head-dim", type=int, default=128, help="head size (cpu cases)")
@@ -373,7 +389,7 @@ def main(argv=None):
             ("small-decode", 16, 512, 1, 4, 2, 32), ("small-prefill", 1, 2048, 2048, 4, 2, 32)]
     if keep:
         cfgs = [c for c in cfgs if c[0] in keep]
-    print(f"device={a.device} dtype={a.dtype} page={a.page_size} TILE_Q={TILE_Q} TILE_K={TILE_K} "
+    print(f"device={a.device} impl={a.impl} layout={a.layout} dtype={a.dtype} page={a.page_size} TILE_Q={TILE_Q} TILE_K={TILE_K} "
           f"SPLIT_K={SPLIT_K} threads={torch.get_num_threads()} load={os.getloadavg()[0]:.1f}\n")
     head = ["case", "seqs", "kv", "q", "Hq/Hkv/D", "lambda", "tile sparsity", "dense ms", "skip ms", "speedup",
             "SDPA ms", "dense/SDPA", "max abs err"]

@@ -21,22 +21,25 @@ from typing import Sequence
 
 import torch
 
-from . import torch_impl
+from . import cpu_impl, torch_impl
 from .batch import BatchMeta, LayerSpec, PagedBatch
 from .checks import CHECKS, check_split, fail, lambdas, validate
 
-_IMPLS = ("auto", "torch", "triton")
+_IMPLS = ("auto", "torch", "compiled", "triton")
 
 
 def _backend(impl: str, batch: PagedBatch):
     if impl not in _IMPLS:
         fail("impl (the implementation)", repr(impl), f"one of {_IMPLS}")
     device = batch.query.device if isinstance(batch, PagedBatch) and isinstance(batch.query, torch.Tensor) else None
-    if impl == "auto":
-        impl = "triton" if device is not None and device.type == "cuda" else "torch"
-    if impl == "torch":
+    if impl == "auto":  # CPU tensors: the one rule of cpu_impl.cpu_kernel (env, availability, shapes)
+        impl = "triton" if device is not None and device.type == "cuda" else cpu_impl.cpu_kernel(batch)
+    if impl in ("torch", "compiled"):
         if device is not None and device.type != "cpu":
-            fail("impl='torch' needs CPU tensors", f"device {device}", "impl='triton' (or 'auto') on a GPU")
+            fail(f"impl={impl!r} needs CPU tensors", f"device {device}", "impl='triton' (or 'auto') on a GPU")
+        if impl == "compiled":
+            cpu_impl.require(batch)
+            return cpu_impl
         return torch_impl
     from . import triton_impl  # lazily: triton is optional, and tests set TRITON_INTERPRET first
 
@@ -54,7 +57,7 @@ def _run(batch: PagedBatch, spec: LayerSpec, threshold, candidates, count: bool,
         meta = validate(batch, spec, out, check)
     else:
         meta = batch.host
-        if meta is None and backend is torch_impl:   # host tensors: reading them is no sync
+        if meta is None and backend is torch_impl:   # host tensors: reading them is no sync (cpu_impl reads them itself)
             meta = BatchMeta.from_host(batch.seq_lens, batch.query_start_loc)
     reads_device = check == "full" or (bool(check) and batch.host is None)
     num_seqs, dev = batch.num_seqs, batch.query.device
@@ -100,7 +103,9 @@ def paged_attention(
             (exact rule in :mod:`sparse_attn.kernels._common`).  Lambdas are compared in
             fp32; new values never recompile the Triton kernel.
         out: optional ``[T, Hq, D]`` output buffer of the query's dtype.
-        impl: ``"auto"`` (Triton for CUDA tensors, torch otherwise), ``"torch"``, ``"triton"``.
+        impl: ``"auto"`` (Triton for CUDA tensors; for CPU tensors the kernel
+            :func:`cpu_impl.cpu_kernel` picks), ``"torch"``, ``"compiled"`` (the C++ CPU
+            kernel), ``"triton"``.
         return_counts: also return per-head tile counts.
         split_k: KV positions per split of the skip rule (``None`` = ``SPLIT_K``; a
             multiple of ``TILE_K``).  The dense running max restarts from KV tile 0's

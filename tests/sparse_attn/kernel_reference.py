@@ -31,6 +31,12 @@ def _cache_pair(n_blocks, page, hkv, d, layout, dtype, gen):
         # One [B, H, N, 2D] buffer, transposed to [B, N, H, 2D] and split into K | V.
         buf = torch.empty(n_blocks, hkv, page, 2 * d, dtype=dtype).transpose(1, 2)
         k, v = buf[..., :d], buf[..., d:]
+    elif layout == "cpu_packed":
+        # vLLM's CPU cache [blocks, Hkv, page, 2D]: per (block, head) the page's keys
+        # dim-major ([D, page]), then its values token-major, viewed as compat reads it.
+        from compat import layouts
+
+        k, v = layouts.views("cpu-packed", torch.empty(n_blocks, hkv, page, 2 * d, dtype=dtype), d, isa="vec")
     elif layout == "kv_interleaved_blocks":
         # [blocks, 2, page, Hkv, D]: block stride is not page * token stride.
         buf = torch.empty(n_blocks, 2, page, hkv, d, dtype=dtype)

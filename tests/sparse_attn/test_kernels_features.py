@@ -107,7 +107,7 @@ def test_features_match_float64_reference_and_counts_match_serving(row):
     ref0, _, ref_vis, ref_thr = reference(batch, spec, thresholds=LAMS, split_k=split_k)
     ref_l, ref_sk, _, _ = reference(batch, spec, lam=LAMS[-1], split_k=split_k)
     assert int(ref_sk.sum()) > 0, "the row must skip something to test the rule"
-    for impl in ("torch", "triton"):
+    for impl in ("torch", "triton", "compiled"):
         kw = dict(impl=impl, split_k=split_k)
         # Counting mode: the dense output (lambda 0: every feature equals float64) and the
         # rule's counts per candidate ...
@@ -117,8 +117,8 @@ def test_features_match_float64_reference_and_counts_match_serving(row):
         assert vis.tolist() == ref_vis.tolist(), impl
         assert skipped.tolist() == ref_thr.tolist(), impl
         # ... which are exactly the tiles serving skips under that lambda (every lambda on
-        # torch; the largest on Triton, whose interpreter is slow).
-        for lam in LAMS[1:] if impl == "torch" else LAMS[-1:]:
+        # torch and the compiled CPU kernel; the largest on Triton, whose interpreter is slow).
+        for lam in LAMS[-1:] if impl == "triton" else LAMS[1:]:
             out, sk, v = paged_attention(batch, spec, threshold=lam, return_counts=True, **kw)
             assert sk.tolist() == skipped[LAMS.index(lam)].tolist() and v.tolist() == vis.tolist(), (impl, lam)
         torch.testing.assert_close(out.double(), ref_l, atol=2e-5, rtol=1e-5, msg=f"{impl} sparse")
@@ -143,7 +143,7 @@ def test_windowed_tiles_follow_the_documented_geometry(window, kv_lens, q_lens):
             expected += last_pos // TILE_K - max(0, first_pos - window + 1) // TILE_K + 1
     batch = make_batch(kv_lens, q_lens, 4, 2, 16, 16)
     spec = LayerSpec(0.25, window=window)
-    for impl in ("torch", "triton"):
+    for impl in ("torch", "triton", "compiled"):
         _, _, visited = paged_attention(batch, spec, threshold=0.0, return_counts=True, impl=impl)
         assert visited.tolist() == [expected] * 4, impl
 
@@ -160,7 +160,7 @@ def test_window_of_one_token_returns_each_rows_own_value():
             torch.testing.assert_close(out[a + i], own.repeat_interleave(2, 0), atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("impl", ["torch", "triton", "compiled"])
 def test_window_covering_the_sequence_is_full_attention(impl):
     batch = add_sink_token(make_batch([300, 130, 40], [1, 130, 40], 4, 2, 16, 16, seed=3))
     full = paged_attention(batch, LayerSpec(0.5), threshold=0.3, return_counts=True, impl=impl, split_k=128)
