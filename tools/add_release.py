@@ -428,7 +428,10 @@ def find_closure(version: str, wheel: Path, nodeps_file: Path, base: Path, work:
     added: list[str] = []
     if not py.exists():
         run(["uv", "venv", "-q", "-p", "3.11", venv], env=env)
-    run(["uv", "pip", "install", "-q", "--python", py, "--no-deps", "-r", nodeps_file], env=env)
+    # --no-cache and the wheel already downloaded: the ~1 GB vllm + flashinfer pair stays out of uv's cache,
+    # as in the tox envs (tox.ini, commands_pre).
+    run(["uv", "pip", "install", "-q", "--python", py, "--no-deps", "--no-cache", "--find-links", wheel.parent,
+         "-r", nodeps_file], env=env)
     for attempt in range(1, 41):
         inputs = work / "inputs.txt"
         inputs.write_text("\n".join([torch_pin, *names, *added]) + "\n")
