@@ -77,7 +77,7 @@ def _log_to_stderr() -> None:
             log.setLevel(logging.INFO)
 
 
-def _load_config(worker: Any) -> SparseAttentionConfig | None:
+def _load_config(worker: Any, *, calibrating: bool = False) -> SparseAttentionConfig | None:
     """The skip-softmax config of the model this worker loaded; None = native attention.
 
     Read from the HF config vLLM parsed (``compat.cworker.worker_hf_config_section``),
@@ -94,6 +94,8 @@ def _load_config(worker: Any) -> SparseAttentionConfig | None:
     except SparseAttentionConfigError as exc:
         raise SparseAttentionStartupError(f"sparse-attn: {exc}; {DISABLE_HINT}.") from None
     if reading.config is None and not reading.ours:
+        if calibrating:  # counting mode installs without a config; "left native" would be false
+            return None
         if not reading.present:
             logger.info("sparse-attn: %s has no sparse_attention_config in config.json; vLLM attention left native", model)
         else:
@@ -120,7 +122,7 @@ def install_in_worker(worker: Any) -> dict:
     """Replace the impl of every attention layer the checkpoint's config targets.
     Returns (and logs) the worker's install report."""
     scales = envs.get(CALIBRATION_ENV)
-    config = _load_config(worker)
+    config = _load_config(worker, calibrating=scales is not None)
     if config is None and scales is None:
         summary = {"rank": cworker.worker_rank(worker), "installed": 0, "total": 0,
                    "reason": "no skip-softmax sparse_attention_config"}

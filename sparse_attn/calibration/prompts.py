@@ -30,7 +30,7 @@ from typing import Any, Protocol, Sequence
 
 from .errors import CalibrationDataError
 
-__all__ = ["SAMPLES_FILE", "CalibrationSample", "Tokenizer", "check_lengths", "load_prompts"]
+__all__ = ["SAMPLES_FILE", "CalibrationSample", "ChatTemplatePrompts", "Tokenizer", "check_lengths", "load_prompts"]
 
 #: The file a ``--calib_data_dir`` directory must contain.
 SAMPLES_FILE = "samples.jsonl"
@@ -38,6 +38,22 @@ SAMPLES_FILE = "samples.jsonl"
 
 class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
+
+
+class ChatTemplatePrompts:
+    """A :class:`Tokenizer` whose ``encode(text)`` is the chat template's own token ids for one user
+    turn holding ``text`` plus the generation prompt (a Hugging Face tokenizer's
+    ``apply_chat_template(..., tokenize=True)``; never the template's text tokenised again, which
+    adds a second BOS). Synthetic calibration prompts are sized and measured through it."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
 
 
 @dataclass(frozen=True)
