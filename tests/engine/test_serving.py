@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 
 import pytest
 
@@ -19,28 +20,42 @@ pytestmark = [
 ]
 
 
-def generate(ckpt, tmp_path, name, **env):
+def generate(ckpt, tmp_path, name, *args, **env):
     out = tmp_path / f"{name}.json"
-    proc = run_driver(ckpt, out, **env)
+    proc = run_driver(ckpt, out, *args, **env)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return json.loads(out.read_text()), proc.stderr
-
-
-@pytest.fixture(scope="module")
-def native_tokens(tiny_checkpoint, tmp_path_factory):
-    report, log = generate(tiny_checkpoint, tmp_path_factory.mktemp("native"), "native")
-    assert "has no sparse_attention_config in config.json; vLLM attention left native" in log
-    assert report["stats"][0]["layers_installed"] == 0
-    assert report["stats"][0]["install"]["reason"] == "no skip-softmax sparse_attention_config"
-    return report["tokens"]
 
 
 phase = phase_totals
 
 
-def test_high_target_skips_tiles_and_stays_close_to_dense(checkpoint_with, tmp_path, native_tokens):
-    ckpt = checkpoint_with(skip_softmax_section((40.0, 4.0), (20.0, 4.0), target=0.6))
-    report, log = generate(ckpt, tmp_path, "high")
+@pytest.fixture(scope="module")
+def high_target(tiny_checkpoint, tmp_path_factory):
+    """One engine: the prompts at a high target (tiles skipped), then the same prompts on vLLM's own
+    impl class in the same engine (``--then-native``): the dense reference of this module. (The
+    no-config start that used to give it is tests/engine/test_http_serve.py's no-config test.)"""
+    tmp = tmp_path_factory.mktemp("high")
+    ckpt = tmp / "ckpt"
+    shutil.copytree(tiny_checkpoint, ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["sparse_attention_config"] = skip_softmax_section((40.0, 4.0), (20.0, 4.0), target=0.6)
+    (ckpt / "config.json").write_text(json.dumps(config, indent=2))
+    report, _ = generate(ckpt, tmp, "high", "--then-native")
+    assert len(report["switched"][0]) == 2, report["switched"]
+    assert all(layer["impl"].startswith("vllm.") for layer in report["layers"][0]), report["layers"]
+    native = {p: phase(report["native_stats"], p) for p in ("prefill", "decode")}
+    assert native["prefill"]["launches"] == native["decode"]["launches"] == 0, native
+    return report
+
+
+@pytest.fixture(scope="module")
+def native_tokens(high_target):
+    return high_target["native_tokens"]
+
+
+def test_high_target_skips_tiles_and_stays_close_to_dense(high_target, native_tokens):
+    report = high_target
     stats = report["stats"]
     assert all(s["layers_installed"] == s["layers_total"] == 2 for s in stats)
     prefill, decode = phase(stats, "prefill"), phase(stats, "decode")
