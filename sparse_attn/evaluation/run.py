@@ -20,12 +20,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sparse_attn.calibration.cli import TASK_PROMPT_MARGIN, default_lengths
 from sparse_attn.errors import CliError
 from sparse_attn.evaluation import metrics
 from sparse_attn.evaluation.engine import PROGRESS_PREFIX
 from sparse_attn.evaluation.tasks import EVAL_TASKS, build_samples
 
-DEFAULT_LENGTHS = (1024, 2048, 3072)
 ENGINE_TIMEOUT_S = 3600
 
 
@@ -119,12 +119,14 @@ def evaluate(args) -> int:
     tasks = _parse_list(args.tasks, str, "--tasks") if args.tasks else list(EVAL_TASKS)
     if unknown := [t for t in tasks if t not in EVAL_TASKS]:
         raise CliError(f"--tasks: unknown {unknown}; choose from {', '.join(EVAL_TASKS)}")
-    lengths = _parse_list(args.lengths, int, "--lengths") if args.lengths else list(DEFAULT_LENGTHS)
+    # Without --lengths: the bins calibrate uses without --calib_max_seqlen (one home: calibration.cli), so the
+    # two commands with their defaults see one prompt mix.
+    lengths = (_parse_list(args.lengths, int, "--lengths") if args.lengths
+               else sorted(default_lengths(model_cfg.get("text_config") or model_cfg)))
     limit = model_cfg.get("max_position_embeddings") or (model_cfg.get("text_config") or {}).get("max_position_embeddings")
-    margin = 64 + args.decode_tokens
-    if limit and max(lengths) + margin > limit:
-        raise CliError(f"--lengths {max(lengths)} + {margin} tokens (answers, decode) exceed the model's context limit "
-                       f"{limit} (config.json max_position_embeddings). Fix: --lengths up to {limit - margin}")
+    if limit and max(lengths) > limit:
+        raise CliError(f"--lengths {max(lengths)} exceeds the model's context limit {limit} (config.json "
+                       f"max_position_embeddings). Fix: --lengths up to {limit}")
     if min(lengths) < 256 or args.samples < 1 or args.decode_tokens < 1:
         raise CliError("--lengths must be >= 256 tokens, --samples >= 1, --decode_tokens >= 1")
     output = Path(args.output)
@@ -141,8 +143,10 @@ def evaluate(args) -> int:
     started = time.monotonic()
     tokenizer = AutoTokenizer.from_pretrained(str(ckpt))
     with tqdm(total=len(tasks) * len(lengths) * args.samples, desc="building prompts", unit="prompt") as bar:
+        # Each prompt leaves the room calibration's task prompts leave (decode steps + margin), so a length bin
+        # holds the same prompts in both and prompt + answer / decode steps fit in the bin.
         samples = build_samples(tokenizer, tasks=tasks, lengths=lengths, per_cell=args.samples, seed=args.seed,
-                                reserve=32, progress=bar)
+                                reserve=args.decode_tokens + TASK_PROMPT_MARGIN, progress=bar)
     cells = []
     for task in tasks:
         for length in lengths:
@@ -151,6 +155,9 @@ def evaluate(args) -> int:
                           "answer_ids": [list(s.answer_token_ids) for s in chosen], "answers": [list(s.answers) for s in chosen]})
     max_prompt = max(len(s.prompt_token_ids) + len(s.answer_token_ids) for s in samples)
     max_model_len = max(max_prompt, max(len(s.prompt_token_ids) for s in samples) + args.decode_tokens) + 1
+    if limit and max_model_len > limit:
+        raise CliError(f"a prompt plus its answer or {args.decode_tokens} decode steps needs {max_model_len} tokens, over the "
+                       f"model's context limit {limit}. Fix: lower --lengths or --decode_tokens")
     base_job = {"checkpoint": str(ckpt), "dtype": args.dtype, "max_model_len": max_model_len, "seed": args.seed,
                 "backend": args.attention_backend, "decode_tokens": args.decode_tokens,
                 "kv_cache_bytes": _kv_cache_bytes(model_cfg, args.samples * (max_model_len + 16)),
@@ -193,16 +200,18 @@ def _assemble(cells, configs, results, targets, config, args, samples) -> dict[s
             key = (cell["task"], cell["length"])
             is_dense = section is None
             scores = metrics.sample_scores(cell, answers[key], answer_ids[key], None if is_dense else dcell)
+            counts = metrics.cell_counts(cell)
             summary = metrics.summarise(scores, None if is_dense else dense_scores[key])
             equal, prefix, total = metrics.agreement(cell["generated"], dcell["generated"])
             rows.append({"task": key[0], "length": key[1], **summary,
                          "agreement": equal / total if total else None, "agreement_prefix": prefix / total if total else None,
-                         "sparsity": metrics.sparsity(cell["counts"]), "teacher_forced_sparsity": metrics.sparsity(cell["teacher_forced_counts"]),
-                         "counts": cell["counts"], "generate_s": round(cell["generate_s"], 3),
+                         "sparsity": metrics.sparsity(counts), "teacher_forced_sparsity": metrics.sparsity(cell["teacher_forced_counts"]),
+                         "counts": counts, "generate_s": round(cell["generate_s"], 3),
+                         "teacher_forced_s": round(cell["teacher_forced_s"], 3),
                          "prompt_tokens": [len(p) for p in next(c for c in cells if (c["task"], c["length"]) == key)["prompts"]]})
             pooled += scores
             pooled_dense += dense_scores[key]
-            totals = metrics.add_counts(totals, cell["counts"])
+            totals = metrics.add_counts(totals, counts)
             tokens += cell["generated"]
             dense_tokens += dcell["generated"]
             gen_s += cell["generate_s"]
