@@ -148,7 +148,9 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                         "generate batch then reads the prompt's KV from vLLM's prefix cache, so it costs the answer's few "
                         "tokens and the prompt-logprob computation, not a second prefill)")
     p.add_argument("--output", default="./sparse_attn_eval.json", help="JSON report (default ./sparse_attn_eval.json)")
-    p.add_argument("--workdir", default=None, help="keep each engine's job, output and log here (default: a temporary directory)")
+    p.add_argument("--workdir", default=None, help="keep each engine's job, output and log here (default: a temporary directory); an engine whose "
+                   "output for the same job is already there is not started again (resume; run targets one by one "
+                   "with native vLLM once). Delete DIR after changing the code")
 
 
 def _add_model(sub: argparse._SubParsersAction) -> None:

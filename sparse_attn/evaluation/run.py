@@ -73,6 +73,10 @@ def _kv_cache_bytes(model_cfg: dict, tokens: int) -> int:
 
 def _run_engine(job: dict, label: str, workdir: Path, env: dict, progress) -> dict:
     job_path, out_path, log_path = workdir / f"job-{label}.json", workdir / f"out-{label}.json", workdir / f"engine-{label}.log"
+    if (reused := _finished(job, job_path, out_path)) is not None:
+        progress.update(len(job["cells"]))
+        return reused
+    out_path.unlink(missing_ok=True)
     job_path.write_text(json.dumps(job), encoding="utf-8")
     cmd = [sys.executable, "-m", "sparse_attn.evaluation.engine", str(job_path), str(out_path)]
     deadline = time.monotonic() + ENGINE_TIMEOUT_S
@@ -97,6 +101,19 @@ def _run_engine(job: dict, label: str, workdir: Path, env: dict, progress) -> di
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-25:])
         raise CliError(f"the {label} engine failed (exit status {code}; log {log_path}):\n{tail}")
     return json.loads(out_path.read_text(encoding="utf-8"))
+
+
+def _finished(job: dict, job_path: Path, out_path: Path) -> dict | None:
+    """A ``--workdir`` engine output of the very same job (same prompts, engine settings and section), or None.
+    The engine writes its output atomically at the end, so one that exists is whole: an interrupted eval, or one
+    run target by target (``--targets 0.5`` then ``--targets 0.7`` in one workdir), starts only the engines whose
+    output is missing, and native vLLM runs once."""
+    try:
+        same = json.loads(job_path.read_text(encoding="utf-8")) == json.loads(json.dumps(job))
+        out = json.loads(out_path.read_text(encoding="utf-8")) if same else None
+    except (OSError, ValueError):
+        return None
+    return out if isinstance(out, dict) and len(out.get("cells", ())) == len(job["cells"]) else None
 
 
 def _engine_env(sparse: bool) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 
@@ -241,3 +242,39 @@ def test_calib_tasks_chooses_the_kinds(tmp_path):
     assert [s.task for s in calib] == ["niah_multikey", "niah_single"] * 2
     assert [s.target_len for s in calib] == [1024, 1024, 512, 512]
 
+
+def test_workdir_resumes_only_an_engine_whose_job_is_unchanged(tmp_path, monkeypatch):
+    """--workdir: a finished engine of the same job is read back, not started; a changed job (another target,
+    other prompts) or a missing output starts the engine; each start is one subprocess."""
+    import subprocess
+    from types import SimpleNamespace
+
+    from sparse_attn.evaluation import run
+
+    started = []
+
+    class FakeEngine:  # the engine subprocess needs vLLM; this writes what it would, atomically, at the end
+        def __init__(self, cmd, **kwargs):
+            job_path, out_path = map(Path, cmd[-2:])
+            job = json.loads(job_path.read_text())
+            started.append(job["section"])
+            out_path.write_text(json.dumps({"cells": [{"n": len(started)}] * len(job["cells"])}))
+            self.stdout = iter(f"{run.PROGRESS_PREFIX} {k + 1} {len(job['cells'])}\n" for k in range(len(job["cells"])))
+
+        def wait(self):
+            return 0
+
+        def kill(self):
+            pass
+
+    monkeypatch.setattr(subprocess, "Popen", FakeEngine)
+    bar = SimpleNamespace(n=0, update=lambda k: setattr(bar, "n", bar.n + k))
+    job = {"cells": [{"prompts": [[1, 2]]}, {"prompts": [[3]]}], "section": None}
+    first = run._run_engine(job, "dense", tmp_path, {}, bar)
+    again = run._run_engine(job, "dense", tmp_path, {}, bar)
+    assert started == [None] and again == first and bar.n == 4
+    run._run_engine({**job, "section": {"t": 0.7}}, "dense", tmp_path, {}, bar)  # another job under that label
+    assert started == [None, {"t": 0.7}]
+    (tmp_path / "out-dense.json").unlink()
+    run._run_engine({**job, "section": {"t": 0.7}}, "dense", tmp_path, {}, bar)
+    assert started == [None, {"t": 0.7}, {"t": 0.7}]
