@@ -131,7 +131,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("checkpoint", help="calibrated checkpoint directory (its config.json has sparse_attention_config)")
     p.add_argument("--targets", default=None, help="comma-separated target sparsities to serve, e.g. 0.3,0.5,0.7,0.9 "
-                   "(default: the checkpoint's own target)")
+                   "(default: the checkpoint's own target); none: native vLLM only (with --workdir, for later runs to read back)")
     p.add_argument("--tasks", default=None, help="comma-separated tasks (default: niah_single, niah_multikey, "
                    "variable_tracking, common_words, qa)")
     p.add_argument("--lengths", default=None, help="comma-separated prompt length bins in tokens, chat template and "

@@ -129,7 +129,9 @@ def evaluate(args) -> int:
 
     ckpt = Path(args.checkpoint)
     model_cfg, config = _checkpoint_config(ckpt)
-    targets = _parse_list(args.targets, float, "--targets") if args.targets else [None]
+    # "none": native vLLM only (fills a --workdir that later --targets runs read back).
+    targets = ([] if (args.targets or "").strip().lower() == "none"
+               else _parse_list(args.targets, float, "--targets") if args.targets else [None])
     for t in targets:
         if t is not None and not 0.0 <= t < 1.0:
             raise CliError(f"--targets: {t} is not in [0, 1)")

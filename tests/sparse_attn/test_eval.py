@@ -182,6 +182,8 @@ def test_report_puts_dense_beside_every_sparse_number(tmp_path):
     assert pooled["d_first_lp"] == pytest.approx(-0.5) and pooled["kl"] == pytest.approx(math.exp(-0.2) * 1.0 / 2)
     text = render(report)
     assert "dense" in text and "0.5" in text and "(1.50x)" in text and "30/30 layers sparse" in text
+    native_only = _assemble(cells, [("dense", None)], {"dense": dense}, [], config, args, None)  # --targets none
+    assert [c["native"] for c in native_only["configs"]] == [True] and "dense" in render(native_only)
 
 
 def test_teacher_forced_prefill_is_the_cells_prefill():
