@@ -12,15 +12,9 @@ import os
 import sys
 from typing import Sequence
 
+# The dispatcher imports its subcommands, never the other way round (no import cycle).
+from sparse_attn.calibration.cli import DEFAULT_OUTPUT, calibrate
 from sparse_attn.errors import EXIT_USAGE, CliError
-
-#: ``--output`` when not given. Deliberately NOT ``sparse_attention_config.json``: vLLM's
-#: Qwen dual-chunk attention models (HF config with ``dual_chunk_attention_config``) load
-#: that file from the checkpoint directory, so the old default, run from inside a
-#: checkpoint, created or replaced a file the model reads.
-DEFAULT_OUTPUT = "./sparse_attn_calibration.json"
-#: A checkpoint file vLLM itself reads (Qwen dual-chunk attention's sparse settings).
-QWEN_DUAL_CHUNK_FILE = "sparse_attention_config.json"
 
 
 def _add_calibrate(sub: argparse._SubParsersAction) -> None:
@@ -114,8 +108,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         args, rest = parser.parse_args(argv), []
     try:
         if args.command == "calibrate":
-            from sparse_attn.calibration.cli import calibrate
-
             return calibrate(args)
         if args.command == "serve":
             return serve(args.checkpoint, rest, validate_only=args.validate_only)

@@ -33,8 +33,15 @@ from sparse_attn.calibration.fit import fit_counts
 from sparse_attn.calibration.prompts import SAMPLES_FILE, CalibrationSample, check_lengths, load_prompts
 from sparse_attn.calibration.runner import PHASES, candidate_scales, counting_mode_env, measure
 from sparse_attn.calibration.synthetic import generate_calibration_samples
-from sparse_attn.cli import DEFAULT_OUTPUT, QWEN_DUAL_CHUNK_FILE
 from sparse_attn.errors import CliError
+
+#: ``--output`` when not given. Deliberately NOT ``sparse_attention_config.json``: vLLM's
+#: Qwen dual-chunk attention models (HF config with ``dual_chunk_attention_config``) load
+#: that file from the checkpoint directory, so the old default, run from inside a
+#: checkpoint, created or replaced a file the model reads.
+DEFAULT_OUTPUT = "./sparse_attn_calibration.json"
+#: A checkpoint file vLLM itself reads (Qwen dual-chunk attention's sparse settings).
+QWEN_DUAL_CHUNK_FILE = "sparse_attention_config.json"
 
 #: ``--calib_max_seqlen`` when not given; lowered to the model's limit when that is shorter.
 DEFAULT_CALIB_MAX_SEQLEN = 16384
