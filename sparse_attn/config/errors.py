@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["MISSING", "SparseAttentionConfigError", "short_repr"]
+__all__ = ["MISSING", "SparseAttentionConfigError", "short_repr", "short_text"]
 
 
 class SparseAttentionConfigError(ValueError):
@@ -20,9 +20,16 @@ class SparseAttentionConfigError(ValueError):
         self.expected = expected
         self.fix = fix
         self.source = source
-        where = f" in {source}" if source else ""
+        where = f" in {short_text(source, 300)}" if source else ""
         shown = short_repr(value)
-        super().__init__(f"{path}{where}: got {shown}; expected {expected}. Fix: {fix}")
+        super().__init__(f"{short_text(path, 300)}{where}: got {shown}; expected {expected}. Fix: {fix}")
+
+    @classmethod
+    def unreadable(cls, path: str, file: str, what: str, fix: str) -> "SparseAttentionConfigError":
+        """A file that cannot be read as JSON at all: ``"<file>: <what>. Fix: <fix>"``."""
+        error = cls(path, file, what, fix)
+        error.args = (f"{short_text(file, 300)}: {what}. Fix: {fix}",)
+        return error
 
 
 
@@ -31,6 +38,12 @@ def short_repr(value: Any, limit: int = 120) -> str:
         return "nothing (key is missing)"
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def short_text(text: Any, limit: int = 120) -> str:
+    """``str(text)`` cut to ``limit`` characters, naming the full length when cut."""
+    text = str(text)
+    return text if len(text) <= limit else f"{text[: limit - 3]}... ({len(text)} characters)"
 
 
 class _Missing:

@@ -2,42 +2,42 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
+
+from sparse_attn import jsonio
 
 from .errors import SparseAttentionConfigError
 from .parse import read_section
 from .schema import SECTION_KEY, SparseAttentionConfig
 
-__all__ = ["load_from_checkpoint", "read_config_json"]
+__all__ = ["MAX_CONFIG_BYTES", "load_from_checkpoint", "read_config_json"]
+
+
+#: Largest ``config.json`` read (Hugging Face configs are kilobytes; a few with big
+#: label maps reach a megabyte).
+MAX_CONFIG_BYTES = 64 << 20
+_CONFIG_FIX = "point at a Hugging Face checkpoint directory whose config.json is a UTF-8 JSON object (repair or re-download it)"
 
 
 def read_config_json(ckpt_dir: str | Path) -> dict[str, Any]:
-    """``ckpt_dir/config.json`` as a dict (only that file: never the Qwen dual-chunk
-    ``sparse_attention_config.json`` beside it).
+    """``ckpt_dir/config.json`` as a dict: the one reader of a checkpoint's config
+    (``sparse-attn serve``, ``calibrate`` and its checkpoint update all use it).
+    Only that file: never the Qwen dual-chunk ``sparse_attention_config.json`` beside it.
 
-    Raises ``SparseAttentionConfigError`` when config.json is missing, unreadable,
-    not JSON, or not an object.
+    Raises ``SparseAttentionConfigError`` (path ``config.json``) when the file is
+    missing, not a regular file (a FIFO is refused without blocking), larger than
+    ``MAX_CONFIG_BYTES``, not UTF-8, not JSON (including nesting deeper than
+    ``jsonio.MAX_DEPTH`` and integers Python will not convert), or not an object.
     """
     path = Path(ckpt_dir) / "config.json"
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SparseAttentionConfigError(
-            "config.json", str(path), "an existing file", "point at a Hugging Face checkpoint directory that contains config.json"
-        ) from None
-    except OSError as exc:
-        raise SparseAttentionConfigError("config.json", str(path), f"a readable file ({exc.strerror})", "check permissions") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise SparseAttentionConfigError(
-            "config.json", f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}", "valid JSON",
-            "repair or re-download config.json", source=str(path),
-        ) from None
+        data = jsonio.read_json_file(path, what="config.json", max_bytes=MAX_CONFIG_BYTES, fix=_CONFIG_FIX)
+    except jsonio.JsonInputError as exc:
+        raise SparseAttentionConfigError.unreadable("config.json", str(path), exc.what, exc.fix) from None
     if not isinstance(data, dict):
-        raise SparseAttentionConfigError("config.json", type(data).__name__, "a JSON object at the top level", "repair config.json", source=str(path))
+        raise SparseAttentionConfigError("config.json", type(data).__name__, "a JSON object at the top level",
+                                         "repair config.json", source=str(path))
     return data
 
 
