@@ -5,13 +5,15 @@
 from __future__ import annotations
 
 import copy
+import difflib
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from sparse_attn import jsonio
 from sparse_attn.protocol import PHASES
 
-from .errors import MISSING, SparseAttentionConfigError
+from .errors import MISSING, SparseAttentionConfigError, short_repr, short_text
 from .schema import (
     DEFAULT_FORMULA,
     GROUP_KNOWN_KEYS,
@@ -181,11 +183,14 @@ class SectionReading:
     unserved: tuple[UnservedGroup, ...] = ()
     #: False when the key is absent altogether
     present: bool = True
+    #: True when the section looks like ModelOpt metadata of the wrong shape (``config_groups``
+    #: a list, empty, without algorithms, or misspelt): ``note`` is then a warning, not info
+    malformed: bool = False
 
 
 def _foreign_note(section: Any) -> str:
     if isinstance(section, Mapping):
-        keys = ", ".join(sorted(map(str, section))[:6]) or "none"
+        keys = ", ".join(short_text(k, 40) for k in sorted(map(str, section))[:6]) or "none"
         shape = f"an object with keys {keys}"
     else:
         shape = f"a {type(section).__name__}"
@@ -193,6 +198,48 @@ def _foreign_note(section: Any) -> str:
         f"{SECTION_KEY} is {shape}, not ModelOpt / TensorRT-LLM skip-softmax metadata (config_groups whose "
         f"groups carry an algorithm); it belongs to the model itself, so sparse-attn leaves vLLM attention native"
     )
+
+
+_WRONG_SHAPE_FIX = (
+    'expected config_groups to be an object of groups, each with an "algorithm", e.g. '
+    '{"group_0": {"algorithm": "skip_softmax", "threshold_scale_factor": {...}}}; sparse-attn leaves vLLM attention '
+    "native. Fix: repair the section or re-export it with `sparse-attn calibrate CKPT --update_checkpoint_config`"
+)
+
+
+def _wrong_shape_note(section: Any) -> str | None:
+    """Why ``section`` (not ModelOpt-shaped) still looks like ModelOpt metadata, or None."""
+    if not isinstance(section, Mapping):
+        return None
+    if "config_groups" in section:
+        groups = section["config_groups"]
+        if not isinstance(groups, Mapping):
+            seen = f"a JSON {type(groups).__name__}"
+        elif not groups:
+            seen = "an empty object"
+        elif any(not isinstance(g, Mapping) for g in groups.values()):
+            name, group = next((k, g) for k, g in groups.items() if not isinstance(g, Mapping))
+            seen = f"an object whose group {short_text(name, 40)} is a JSON {type(group).__name__}, not an object"
+        else:  # objects without an algorithm: another schema's groups (compressed-tensors), not ours
+            return None
+        return f"{SECTION_KEY}.config_groups is {seen}: this looks like ModelOpt / TensorRT-LLM metadata of the wrong shape ({_WRONG_SHAPE_FIX})"
+    for key in section:
+        if isinstance(key, str) and len(key) <= 64 and difflib.get_close_matches(key.lower(), ["config_groups"], n=1, cutoff=0.8):
+            return (f"{SECTION_KEY} has no config_groups but has {key!r}; did you mean 'config_groups'? This looks like "
+                    f"ModelOpt / TensorRT-LLM metadata of the wrong shape ({_WRONG_SHAPE_FIX})")
+    return None
+
+
+def _check_depth(section: Mapping[str, Any], source: str | None) -> None:
+    # Unknown keys are kept verbatim (deep-copied into the parsed config and back out in
+    # to_dict); a value nested hundreds deep would exhaust the stack there.
+    deep = jsonio.depth_exceeded(section, jsonio.MAX_DEPTH)
+    if deep is not None:
+        raise SparseAttentionConfigError(
+            f"{SECTION_KEY}.{deep}", "a value nested deeper than that", f"at most {jsonio.MAX_DEPTH} levels of nesting",
+            "remove or flatten the deeply nested value (sparse-attn reads only the keys documented in sparse_attn.config)",
+            source=source,
+        )
 
 
 def read_section(section: Any, *, source: str | None = None) -> SectionReading:
@@ -206,11 +253,15 @@ def read_section(section: Any, *, source: str | None = None) -> SectionReading:
     if section is None:
         return SectionReading(None, ours=False, note=f"no {SECTION_KEY}", present=False)
     if not is_modelopt_section(section):
+        wrong = _wrong_shape_note(section)
+        if wrong is not None:
+            return SectionReading(None, ours=False, note=wrong, malformed=True)
         return SectionReading(None, ours=False, note=_foreign_note(section))
+    _check_depth(section, source)
     config, unserved = _parse_section(section, source)
     if config is None:
-        listed = ", ".join(f"{g.name} ({g.algorithm!r})" if g.algorithm is not None else f"{g.name} (no algorithm)"
-                           for g in unserved)
+        listed = ", ".join(f"{short_text(g.name, 60)} ({short_repr(g.algorithm, 60)})" if g.algorithm is not None
+                           else f"{short_text(g.name, 60)} (no algorithm)" for g in unserved[:8])
         note = f"{SECTION_KEY} has no skip_softmax group (groups: {listed}); vLLM attention left native"
         return SectionReading(None, ours=True, note=note, unserved=unserved)
     return SectionReading(config, ours=True, unserved=unserved)
@@ -236,6 +287,7 @@ def parse_sparse_attention_config(obj: Mapping[str, Any], *, source: str | None 
         )
     for name, group in groups.items():
         _require_mapping(group, f"{root}.config_groups.{name}", source, "one config group")
+    _check_depth(section, source)
     config, _ = _parse_section(section, source)
     if config is None:
         name, group = next(iter(groups.items()))
@@ -255,7 +307,7 @@ def _parse_section(section: Mapping[str, Any], source: str | None) -> tuple[Spar
         if chosen is not None:
             raise SparseAttentionConfigError(
                 f"{root}.config_groups.{name}", dict(group), "at most one skip_softmax group (TensorRT-LLM allows one)",
-                f"merge {chosen[1]!r} and {name!r} into one group", source=source,
+                f"merge {short_repr(chosen[1], 60)} and {short_repr(str(name), 60)} into one group", source=source,
             )
         chosen = (index, str(name), group)
     unserved = tuple(UnservedGroup(name, group_algorithm(group)) for name, group in others.items())

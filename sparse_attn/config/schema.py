@@ -4,6 +4,7 @@ dataclasses, and the value checks they share with the parser."""
 from __future__ import annotations
 
 import copy
+import difflib
 import math
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -11,7 +12,7 @@ from typing import Any, Iterable, Mapping
 
 from sparse_attn.protocol import PHASES
 
-from .errors import SparseAttentionConfigError
+from .errors import SparseAttentionConfigError, short_repr, short_text
 from .targeting import group_matches
 
 __all__ = [
@@ -104,10 +105,15 @@ class UnservedGroup:
     #: the group's ``algorithm`` / ``sparse_algo`` value as written (None: the group has neither)
     algorithm: Any = None
 
+    @property
+    def label(self) -> str:
+        """``name (algorithm 'x')``, inputs cut to a readable length."""
+        what = f"algorithm {short_repr(self.algorithm, 60)}" if self.algorithm is not None else "no algorithm key"
+        return f"{short_text(self.name, 60)} ({what})"
+
     def message(self, root: str = SECTION_KEY) -> str:
-        what = f"algorithm {self.algorithm!r}" if self.algorithm is not None else "no algorithm key"
         return (
-            f"{root}.config_groups.{self.name} ({what}) is not served: this runtime implements only "
+            f"{root}.config_groups.{self.label} is not served: this runtime implements only "
             f"skip_softmax, so this group's sparsity is not applied (set SPARSE_ATTN_STRICT=1 to make "
             f"this an error)"
         )
@@ -183,7 +189,29 @@ class SparseAttentionConfig:
                     f"so no target makes the {phase} phase skip more tiles than at target 0 (a calibrated curve "
                     f"has b > 0). Fix: re-run `sparse-attn calibrate`"
                 )
+        notes.extend(self.suspect_keys)
         notes.extend(g.message() for g in self.unserved_groups)
+        return tuple(notes)
+
+    @property
+    def suspect_keys(self) -> tuple[str, ...]:
+        """Unknown keys of the skip-softmax group or the section that are near misses of a key
+        this runtime reads (``"ignor"``, ``"targts"``, ``"Targets"``): kept verbatim like every
+        unknown key, but almost certainly meant as the known one, whose absence changes which
+        layers run sparse. Warnings; errors under ``SPARSE_ATTN_STRICT=1``."""
+        notes = []
+        for prefix, keys, known in (
+            (f"{SECTION_KEY}.config_groups.{short_text(self.group.name, 60)}", self.group.extra, GROUP_KNOWN_KEYS),
+            (SECTION_KEY, self.extra, SECTION_KNOWN_KEYS),
+        ):
+            for key in keys:
+                close = _closest(key, known)
+                if close is not None:
+                    notes.append(
+                        f"{prefix}.{key} is not a key sparse-attn reads (it is kept verbatim and has no effect); "
+                        f"did you mean {close!r}? Without it, {_WITHOUT.get(close, 'its default applies')} "
+                        f"(SPARSE_ATTN_STRICT=1 makes this an error)"
+                    )
         return tuple(notes)
 
     def never_skip_warnings(self, max_kv_len: int | None) -> tuple[str, ...]:
@@ -192,8 +220,8 @@ class SparseAttentionConfig:
         The kernel skips only where ``lambda = scale / kv_len < 1``, so a phase
         whose scale factor at its target is ``>= max_kv_len`` runs dense for every
         request the model can take. ``max_kv_len`` is the longest KV length served
-        (vLLM's ``max_model_len``, or the checkpoint's ``max_position_embeddings``);
-        None skips the check.
+        (the worker's ``max_model_len``; before start-up ``--max-model-len`` or
+        ``compat.launch.model_length_limit``); None skips the check.
         """
         if max_kv_len is None or isinstance(max_kv_len, bool) or not isinstance(max_kv_len, int) or max_kv_len <= 0:
             return ()
@@ -282,6 +310,25 @@ class SparseAttentionConfig:
             out["producer"] = prod
         out.update(copy.deepcopy(dict(self.extra)))
         return out
+
+
+#: What the absence of a known key means, for the near-miss warning.
+_WITHOUT = {
+    "targets": "every attention layer is targeted",
+    "ignore": "no layer is ignored",
+    "target_sparsity": f"each phase uses the default target {DEFAULT_TARGET_SPARSITY}",
+    "target_sparse_ratio": f"each phase uses the default target {DEFAULT_TARGET_SPARSITY}",
+    "threshold_scale_factor": "no phase is calibrated and both run dense",
+    "producer": "the section names no producer",
+}
+
+
+def _closest(key: Any, known: Iterable[str]) -> str | None:
+    """The known key ``key`` is a near miss of (a typo or a case change), or None."""
+    if not isinstance(key, str) or key in known or len(key) > 64:
+        return None
+    match = difflib.get_close_matches(key.lower(), sorted(known), n=1, cutoff=0.8)
+    return match[0] if match else None
 
 
 # --------------------------------------------------------------------------- #
