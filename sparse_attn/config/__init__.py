@@ -108,6 +108,7 @@ from sparse_attn.protocol import PHASES
 from .errors import SparseAttentionConfigError
 from .io import load_from_checkpoint, read_config_json
 from .parse import SectionReading, is_modelopt_section, parse_sparse_attention_config, read_section
+from .policy import Startup, StartupRefused, startup_notes
 from .regex_guard import MAX_PATTERN_LENGTH, MAX_UNBOUNDED_REPEATS
 from .schema import (
     DEFAULT_FORMULA,
@@ -129,6 +130,7 @@ __all__ = [
     "DEFAULT_FORMULA",
     "DISABLE_HINT",
     "LN_SCALE_BOUND",
+    "LOG_FORMULA",
     "MAX_PATTERN_LENGTH",
     "MAX_UNBOUNDED_REPEATS",
     "DEFAULT_TARGET_SPARSITY",
@@ -141,6 +143,8 @@ __all__ = [
     "SkipSoftmaxGroup",
     "SparseAttentionConfig",
     "SectionReading",
+    "Startup",
+    "StartupRefused",
     "SparseAttentionConfigError",
     "UnservedGroup",
     "is_modelopt_section",
@@ -148,4 +152,5 @@ __all__ = [
     "parse_sparse_attention_config",
     "read_config_json",
     "read_section",
+    "startup_notes",
 ]
