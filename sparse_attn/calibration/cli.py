@@ -147,7 +147,7 @@ def _check_engine_choices(args, extra: Mapping[str, Any]) -> None:
         if unknown:
             key = unknown[0]
             close = difflib.get_close_matches(key, sorted(choices.kwargs), n=1, cutoff=0.75) if len(key) < 64 else []
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise CliError(f"--engine_kwargs key {shorten(key, 60)!r} is not an argument of {release}'s LLM{hint}. "
                            f"Fix: use the names of vllm.LLM / EngineArgs (e.g. kv_cache_memory_bytes, gpu_memory_utilization)")
 

@@ -90,7 +90,7 @@ def test_engine_choices_are_what_vllms_parser_offers(serve_parser):
 @pytest.mark.parametrize("flag,value,words", [
     ("--dtype", "nonsense", "is not a dtype vLLM"),
     ("--attention_backend", "NOPE", "is not a backend vLLM"),
-    ("--engine_kwargs", '{"kv_cache_memory_byte": 1}', "did you mean 'kv_cache_memory_bytes'?"),
+    ("--engine_kwargs", '{"kv_cache_memory_byte": 1}', "(did you mean 'kv_cache_memory_bytes'?)"),
 ])
 def test_calibrate_refuses_engine_values_this_release_rejects(tmp_path, capsys, flag, value, words):
     import json
