@@ -69,5 +69,6 @@ def startup_notes(section: Any, *, source: str, model: str, max_kv_len: int | No
     if config is None:  # ModelOpt metadata without a skip_softmax group
         return Startup(None, info=(f"{model}: {reading.note}",), warnings=tuple(g.message() for g in reading.unserved))
     if strict and config.suspect_keys:
-        raise StartupRefused(f"SPARSE_ATTN_STRICT=1 and {source}: " + " ".join(config.suspect_keys) + f". {_STRICT_FIX}")
+        raise StartupRefused(f"SPARSE_ATTN_STRICT=1 and {source}: " + " ".join(config.suspect_keys)
+                             + f". Fix: rename the key, or unset SPARSE_ATTN_STRICT to serve with the warning, {DISABLE_HINT}")
     return Startup(config, warnings=config.warnings + config.never_skip_warnings(max_kv_len))
