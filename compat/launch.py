@@ -70,22 +70,64 @@ class ServerArgs:
     revision: str | None = None
     #: the ``--max-model-len`` token count; None when absent or ``auto`` / ``-1`` (vLLM derives it)
     max_model_len: int | None = None
-    #: the ``--hf-overrides`` JSON object (None: not given)
+    #: the ``--hf-overrides`` object: its JSON form, or the dict vLLM builds from the dotted
+    #: form (``--hf-overrides.KEY.SUB VALUE``), which it appends last (None: not given)
     hf_overrides: Mapping[str, Any] | None = None
     hf_config_path: str | None = None
-    #: ``--hf-overrides.KEY VALUE`` arguments (vLLM's dotted form), which sparse-attn does not interpret
-    dotted_overrides: tuple[str, ...] = ()
 
 
-def _flag_values(args: Sequence[str], names: Sequence[str]) -> list[str]:
+def _option(arg: str, flag: str) -> bool:
+    """Whether option name ``arg`` (``_`` or ``-``, no value) selects ``flag`` in vLLM's parser:
+    the flag itself, or an abbreviation of it (argparse's ``allow_abbrev``, on in vLLM's
+    parser: a unique prefix of ``--max-model-len`` sets it). An ambiguous abbreviation is
+    vLLM's error to report; read here as the flag it starts."""
+    name = "--" + arg[2:].replace("_", "-")
+    return name == flag or (len(name) > 4 and flag.startswith(name))
+
+
+def _flag_values(args: Sequence[str], flag: str) -> list[str]:
     values = []
     for i, arg in enumerate(args):
-        for name in names:
-            if arg == name and i + 1 < len(args):
+        if not arg.startswith("--") or "." in arg.split("=", 1)[0]:
+            continue
+        name, eq, value = arg.partition("=")
+        if _option(name, flag):
+            if eq:
+                values.append(value)
+            elif i + 1 < len(args):
                 values.append(args[i + 1])
-            elif arg.startswith(name + "="):
-                values.append(arg[len(name) + 1:])
     return values
+
+
+def _dotted_value(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        pass
+    try:
+        return parse_length(raw)  # vLLM reads "80g" / "32k" in dotted arguments as integers
+    except CompatError:
+        return raw
+
+
+def _dotted(args: Sequence[str], flag: str) -> dict[str, Any] | None:
+    """The dict vLLM's parser builds from ``FLAG.KEY.SUB VALUE`` arguments (None when there are none)."""
+    merged: dict[str, Any] = {}
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        head, dot, keys = name.partition(".")
+        if not dot or not _option(head, flag) or not keys:
+            continue
+        if not eq:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        *parents, last = keys.split(".")
+        node = merged
+        for key in parents:  # later arguments win, as in vLLM's recursive update
+            if not isinstance(node.get(key), dict):
+                node[key] = {}
+            node = node[key]
+        node[last] = _dotted_value(value)
+    return merged or None
 
 
 def parse_length(raw: str, flag: str = "--max-model-len") -> int | None:
@@ -115,7 +157,7 @@ def read_server_args(args: Sequence[str]) -> ServerArgs:
     """Read :data:`SERVER_FLAGS` from ``args`` (``vllm serve`` arguments). Raises
     :class:`ServerArgsError` for a value the server would reject: a length that is not a
     token count, ``--hf-overrides`` that is not a JSON object, an empty ``--revision``."""
-    found = {key: _flag_values(args, names) for key, names in SERVER_FLAGS.items()}
+    found = {key: _flag_values(args, names[0]) for key, names in SERVER_FLAGS.items()}
     last = {key: values[-1] if values else None for key, values in found.items()}
     revision = last["revision"]
     if revision is not None and not revision.strip():
@@ -136,13 +178,15 @@ def read_server_args(args: Sequence[str]) -> ServerArgs:
                 expected='a JSON object of config.json keys, e.g. \'{"max_position_embeddings": 8192}\'',
                 fix="quote the JSON for your shell and check it with python -m json.tool",
             )
-    dotted = tuple(a for a in args for name in SERVER_FLAGS["hf_overrides"] if a.startswith(name + "."))
+    dotted = _dotted(args, SERVER_FLAGS["hf_overrides"][0])
+    if dotted is not None:
+        overrides = dotted
     length = last["max_model_len"]
     return ServerArgs(
         model=last["model"], revision=revision,
         max_model_len=parse_length(length) if length is not None else None,
         hf_overrides=MappingProxyType(overrides) if overrides is not None else None,
-        hf_config_path=last["hf_config_path"], dotted_overrides=dotted,
+        hf_config_path=last["hf_config_path"],
     )
 
 

@@ -249,9 +249,6 @@ def _validate(checkpoint: str, ckpt_dir: str, server, *, strict: bool) -> None:
         data = apply_hf_overrides(data, server.hf_overrides)
         if SECTION_KEY in server.hf_overrides:
             source = f"{SERVER_FLAGS['hf_overrides'][0]} (over {config_path})"
-    for arg in server.dotted_overrides:
-        say(f"warning: {shorten(arg, 80)}: the dotted form of {SERVER_FLAGS['hf_overrides'][0]} is not applied in this "
-            f"check; the plugin checks the config the server builds in each worker")
     limit = model_length_limit(data)
     max_kv_len = server.max_model_len if server.max_model_len is not None else (limit[0] if limit else None)
     try:

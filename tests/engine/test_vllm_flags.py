@@ -67,6 +67,22 @@ def test_max_model_len_is_read_as_vllm_reads_it(serve_parser, value):
     assert ours == (None if theirs in (-1, None) else theirs)
 
 
+@pytest.mark.parametrize("args", [
+    pytest.param(["--max-model", "1000"], id="abbreviated_flag"),
+    pytest.param(["--max_model_len=3k"], id="underscores_and_equals"),
+    pytest.param(["--hf-overrides", '{"max_position_embeddings": 8192}'], id="json_overrides"),
+    pytest.param(["--hf-overrides.sparse_attention_config.config_groups.g.ignor", '["x"]',
+                  "--hf-overrides.max_position_embeddings", "8k"], id="dotted_overrides"),
+])
+def test_server_args_are_read_as_vllm_reads_them(serve_parser, args):
+    from compat.launch import read_server_args
+
+    theirs = serve_parser.parse_args(args)
+    ours = read_server_args(args)
+    assert ours.max_model_len == (None if theirs.max_model_len in (-1, None) else theirs.max_model_len)
+    assert dict(ours.hf_overrides or {}) == dict(theirs.hf_overrides or {})
+
+
 @pytest.mark.parametrize("value", ["\u00b2", "1.5K", "lots"])
 def test_lengths_vllm_refuses_are_refused(serve_parser, value):
     from compat.launch import ServerArgsError, read_server_args
