@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from compat import envs, graphs, layouts
+from compat import envs, layouts, patches
 from compat.errors import (
     CompatError,
     HookError,
@@ -70,11 +70,12 @@ def probe() -> CompatReport:
 
 
 def reset_for_tests() -> None:
-    """Forget the probe and parsed environment so the next call re-reads both."""
+    """Forget the probe and parsed environment so the next call re-reads both, and undo
+    every class-level patch compat made in vLLM (``compat.patches.undo_all``)."""
     global _report
     _report = None
     _bound.clear()
-    graphs.reset_for_tests()
+    patches.undo_all()
     envs.reset_for_tests()
 
 
@@ -106,17 +107,20 @@ def _bind(backend: str) -> tuple[Callable, Callable[[], str]]:
     return _bound[backend]
 
 
-def kv_cache_views(kv_cache: torch.Tensor, *, head_size: int, backend: str, isa: str | None = None) -> layouts.KVViews:
+def kv_cache_views(kv_cache: torch.Tensor, *, head_size: int, backend: str, isa: str | None = None,
+                   kv_cache_dtype: str = "auto") -> layouts.KVViews:
     """Zero-copy ``(key_cache, value_cache)`` of the cache vLLM hands ``backend``'s impl.
 
     ``kv_cache``: the tensor an impl's ``forward``/``do_kv_cache_update`` receives,
     in the probed layout's logical shape. Returns two views, each
-    ``[num_blocks, block_size, num_kv_heads, head_size]``, sharing its storage.
+    ``[num_blocks, block_size, num_kv_heads, head_size]``, sharing its storage; for
+    an fp8 ``kv_cache_dtype`` (the layer's, vLLM's spelling) they are typed
+    ``float8_e4m3fn`` / ``float8_e5m2`` over vLLM's ``uint8`` cache.
     ``isa``: the CPU attention ISA (``layer.isa``), needed for ``CPU_ATTN`` only.
     Raises ``UnsupportedLayoutError`` (a ValueError) when the tensor does not fit.
     """
     bound = _bound.get(backend) or _bind(backend)
-    return bound[0](kv_cache, head_size, isa, bound[1])
+    return bound[0](layouts.typed_cache(kv_cache, kv_cache_dtype), head_size, isa, bound[1])
 
 
 def write_kv_cache(
@@ -129,14 +133,20 @@ def write_kv_cache(
     backend: str,
     isa: str | None = None,
     check: bool = True,
+    kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | float | None = None,
+    v_scale: torch.Tensor | float | None = None,
 ) -> None:
     """Store ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` at ``slot_mapping``
     ``[num_tokens]`` (``block * block_size + offset``; negative = padding, skipped), in place.
 
+    An fp8 ``kv_cache_dtype`` quantises as vLLM's writers do (``layouts.quantise_fp8``) with
+    ``k_scale`` / ``v_scale`` (the layer's 0-d fp32 tensors: no host read).
     ``check=False`` reads no device data on the host (safe inside CUDA-graph capture):
     no slot range check, and padding is skipped without data-dependent shapes."""
-    key_cache, value_cache = kv_cache_views(kv_cache, head_size=head_size, backend=backend, isa=isa)
-    layouts.write(key, value, key_cache, value_cache, slot_mapping, check=check)
+    key_cache, value_cache = kv_cache_views(kv_cache, head_size=head_size, backend=backend, isa=isa,
+                                            kv_cache_dtype=kv_cache_dtype)
+    layouts.write(key, value, key_cache, value_cache, slot_mapping, check=check, k_scale=k_scale, v_scale=v_scale)
 
 
 def cache_writer(backend: str) -> Callable[..., None] | None:

@@ -31,7 +31,8 @@ neither ``load_model`` reads it. Verified in the sources of 0.18.1, 0.22.1, 0.25
 builders, so there only the default v1 runner or ``--enforce-eager`` keeps sparse attention out of graphs.
 
 ``decide`` is the probe (no side effects: it reads class attributes and a function's code object, calls
-nothing of vLLM's); ``restrict_cudagraph_support`` is the one install; ``reset_for_tests`` undoes installs.
+nothing of vLLM's); ``restrict_cudagraph_support`` is the one install, registered in ``compat.patches``
+(undone by ``compat.reset_for_tests()`` or ``patches.undo_all("layers")``).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import types
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
-from compat import envs
+from compat import envs, patches
 from compat.errors import CompatError
 
 logger = logging.getLogger("compat")
@@ -192,8 +193,8 @@ def decide(backend_cls: type) -> GraphDecision:
     )
 
 
-#: builder class -> (decision, raw attribute in its own __dict__ before install or None).
-_INSTALLED: dict[type, tuple[GraphDecision, Any]] = {}
+#: builder class -> the decision installed on it (its patch is in ``compat.patches``, scope "layers").
+_INSTALLED: dict[type, GraphDecision] = {}
 #: (builder path, native, declared) already logged once.
 _SEEN: set[tuple[str, str, str]] = set()
 #: backends whose builder declares nothing, already warned about once.
@@ -213,7 +214,7 @@ def restrict_cudagraph_support(backend_cls: type) -> GraphDecision:
     except Exception:  # noqa: BLE001 - decide() below reports it as "absent"
         builder = None
     if builder in _INSTALLED:
-        return _INSTALLED[builder][0]
+        return _INSTALLED[builder]
     decision = decide(backend_cls)
     if decision.declared_by == "absent":
         # Nothing vLLM asks can be lowered (every release 0.15-0.33 has the base
@@ -223,7 +224,6 @@ def restrict_cudagraph_support(backend_cls: type) -> GraphDecision:
             logger.warning("sparse-attn: %s: %s", decision.backend, decision.describe())
         return decision
     cap = GraphLevel[decision.cap]
-    own = vars(builder).get(METHOD)
     inherited = _resolve(builder)[1].__func__  # the function vLLM calls today, perhaps a parent's wrapper
 
     @functools.wraps(_original(inherited))
@@ -240,24 +240,22 @@ def restrict_cudagraph_support(backend_cls: type) -> GraphDecision:
         return type(native)[declared.name]
 
     get_cudagraph_support._sparse_attn_original = _original(inherited)  # type: ignore[attr-defined]
-    setattr(builder, METHOD, classmethod(get_cudagraph_support))
+    if not _INSTALLED:
+        patches.on_undo(_forget, scope="layers")
+    patches.set_class_attr(builder, METHOD, classmethod(get_cudagraph_support), scope="layers")
     decision = GraphDecision(**{**decision.as_dict(), "installed": True})
-    _INSTALLED[builder] = (decision, own)
+    _INSTALLED[builder] = decision
     return decision
 
 
 def installed() -> Mapping[str, GraphDecision]:
     """The decisions installed in this process, by backend name (for the plugin's summary)."""
-    return types.MappingProxyType({d.backend: d for d, _ in _INSTALLED.values()})
+    return types.MappingProxyType({d.backend: d for d in _INSTALLED.values()})
 
 
-def reset_for_tests() -> None:
-    """Undo every install (newest first, so a parent's wrapper is restored after its subclass')."""
-    for builder, (_, own) in reversed(list(_INSTALLED.items())):
-        if own is None:
-            delattr(builder, METHOD)
-        else:
-            setattr(builder, METHOD, own)
+def _forget() -> None:
+    # The patches themselves are restored by compat.patches.undo_all (newest first, so a parent's
+    # wrapper is restored after its subclass'); this forgets what they decided.
     _INSTALLED.clear()
     _ABSENT_WARNED.clear()
     _SEEN.clear()

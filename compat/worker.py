@@ -23,13 +23,17 @@ vLLM is imported lazily, only when a hook is installed.
 from __future__ import annotations
 
 import functools
-import importlib
+import logging
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
+from compat import patches
 from compat.errors import HookError, ImplReplacementError
+
+logger = logging.getLogger("compat")
 
 #: Worker classes whose ``load_model`` ends with the model in place.
 WORKER_CLASS_PATHS: tuple[str, ...] = ("vllm.v1.worker.gpu_worker:Worker",)
@@ -42,65 +46,62 @@ FORWARD_PARAMETERS: tuple[str, ...] = (
 _OPTIONAL_PARAMETERS = frozenset({"output_scale", "output_block_scale"})
 
 
-def _import(path: str) -> Any:
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
+#: Model-load callbacks and worker RPCs of this process, applied to the worker class when it is hooked.
+_callbacks: list[Callable[[Any], None]] = []
+_rpcs: dict[str, Callable[..., Any]] = {}
+#: ``hooked``: the class path patched in this process; ``loaded``: a hooked ``load_model``
+#: finished here; ``checked``: the first ``execute_model`` looked at ``loaded``.
+_state: dict[str, Any] = {"hooked": None, "loaded": False, "checked": False}
 
 
-def _worker_classes() -> tuple[list[tuple[str, type]], list[str]]:
-    found, errors = [], []
-    for path in WORKER_CLASS_PATHS:
-        try:
-            found.append((path, _import(path)))
-        except (ImportError, AttributeError) as exc:  # a moved class; anything else is a real failure
-            errors.append(f"{path}: {type(exc).__name__}: {exc}")
-    return found, errors
+def _forget_hook() -> None:
+    _callbacks.clear()
+    _rpcs.clear()
+    _state.update(hooked=None, loaded=False, checked=False)
 
 
-def on_model_loaded(callback: Callable[[Any], None]) -> str:
-    """Call ``callback(worker)`` in this process each time a vLLM worker finished
-    ``load_model``. Idempotent per callback. Returns the hooked class path."""
-    found, errors = _worker_classes()
-    if not found:
-        raise HookError(
-            "no vLLM worker class to hook after model load",
-            observed="; ".join(errors), expected=f"one of {', '.join(WORKER_CLASS_PATHS)}",
-            fix="pin a vLLM release listed in README.md, or set SPARSE_ATTN_DISABLE=1 to serve natively",
-        )
-    path, cls = found[0]
+def _hook_class(path: str, cls: type) -> None:
+    """Patch ``cls`` (once per process): ``load_model`` runs the callbacks after the model is in
+    place, the first ``execute_model`` warns if no hooked ``load_model`` ran before it, and every
+    RPC added so far becomes a method."""
+    if _state["hooked"] is not None:
+        return
+    _state["hooked"] = path
+    patches.on_undo(_forget_hook, scope="hook")
     original = cls.load_model
-    hooked = getattr(original, "_sparse_attn_callbacks", None)
-    if hooked is None:
-        @functools.wraps(original)
-        def load_model(self, *args, **kwargs):
-            result = original(self, *args, **kwargs)
-            for cb in load_model._sparse_attn_callbacks:
-                cb(self)
-            return result
 
-        load_model._sparse_attn_callbacks = []  # type: ignore[attr-defined]
-        cls.load_model = load_model
-        hooked = load_model._sparse_attn_callbacks  # type: ignore[attr-defined]
-    if callback not in hooked:
-        hooked.append(callback)
-    return path
+    @functools.wraps(original)
+    def load_model(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        _state["loaded"] = True
+        for callback in list(_callbacks):
+            callback(self)
+        return result
+
+    patches.set_class_attr(cls, "load_model", load_model, scope="hook")
+    execute = getattr(cls, "execute_model", None)
+    if callable(execute):
+        @functools.wraps(execute)
+        def execute_model(self, *args, **kwargs):
+            if not _state["checked"]:  # one dict read per step after the first
+                _state["checked"] = True
+                if not _state["loaded"]:
+                    logger.warning(
+                        "sparse-attn: the first forward of this worker ran without the model-load hook having run "
+                        "(%s.load_model was bypassed or overridden), so attention here stays native. Fix: report this "
+                        "vLLM release with `python -m compat`; set SPARSE_ATTN_DISABLE=1 to silence this", path)
+            return execute(self, *args, **kwargs)
+
+        patches.set_class_attr(cls, "execute_model", execute_model, scope="hook")
+    for name, fn in _rpcs.items():
+        _add_method(path, cls, name, fn)
 
 
-def add_worker_rpc(name: str, fn: Callable[..., Any]) -> str:
-    """Expose ``fn(worker, *args, **kwargs)`` as worker method ``name``, so
-    ``llm.collective_rpc(name)`` reaches it by name in every worker (a callable
-    would need ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` to cross processes).
-    Refuses to shadow an attribute the worker class already has."""
-    found, errors = _worker_classes()
-    if not found:
-        raise HookError(
-            f"no vLLM worker class to add the RPC {name!r} to",
-            observed="; ".join(errors), expected=f"one of {', '.join(WORKER_CLASS_PATHS)}",
-            fix="pin a vLLM release listed in README.md, or set SPARSE_ATTN_DISABLE=1 to serve natively",
-        )
-    path, cls = found[0]
+def _add_method(path: str, cls: type, name: str, fn: Callable[..., Any]) -> None:
     existing = getattr(cls, name, None)
-    if existing is not None and getattr(existing, "_sparse_attn_rpc", None) is not fn:
+    if existing is not None:
+        if getattr(existing, "_sparse_attn_rpc", None) is fn:
+            return
         raise HookError(
             f"cannot add the worker RPC {name!r}",
             observed=f"{path} already has an attribute {name!r} ({type(existing).__name__})",
@@ -111,8 +112,79 @@ def add_worker_rpc(name: str, fn: Callable[..., Any]) -> str:
         return fn(self, *args, **kwargs)
 
     method._sparse_attn_rpc = fn  # type: ignore[attr-defined]
-    setattr(cls, name, method)
-    return path
+    patches.set_class_attr(cls, name, method, scope="hook")
+
+
+def _when_imported(path: str) -> Callable[[Any], None]:
+    module_name, _, attr = path.partition(":")
+
+    def hook(module: Any) -> None:
+        # Runs inside vLLM's own import of the worker module: there is no caller of ours to raise
+        # to, so a failure is logged with its fix and vLLM goes on natively.
+        cls = getattr(module, attr, None)
+        try:
+            if cls is None:
+                raise HookError(
+                    "no vLLM worker class to hook after model load", observed=f"{module_name} has no {attr!r}",
+                    expected=f"one of {', '.join(WORKER_CLASS_PATHS)}",
+                    fix="pin a vLLM release listed in README.md, or set SPARSE_ATTN_DISABLE=1 to serve natively",
+                )
+            _hook_class(path, cls)
+        except HookError as exc:
+            logger.error("sparse-attn: %s; attention stays native in this process", exc)
+
+    return hook
+
+
+def _hook_worker_class() -> None:
+    """Hook the worker class now where its module is imported, else when vLLM imports it."""
+    if _state["hooked"] is not None:
+        return
+    for path in WORKER_CLASS_PATHS:
+        module_name, _, attr = path.partition(":")
+        module = sys.modules.get(module_name)
+        if module is not None and hasattr(module, attr):
+            _hook_class(path, getattr(module, attr))
+            return
+    for path in WORKER_CLASS_PATHS:
+        patches.after_import(path.partition(":")[0], _when_imported(path), scope="hook")
+
+
+def on_model_loaded(callback: Callable[[Any], None]) -> None:
+    """Call ``callback(worker)`` in this process each time a vLLM worker finished ``load_model``.
+
+    Idempotent per callback, and cheap: the worker class is patched now when its module is
+    already imported, else right after vLLM imports it. A process that never imports it (vLLM's
+    API server) imports nothing and can fail nothing here."""
+    if callback not in _callbacks:
+        _callbacks.append(callback)
+    _hook_worker_class()
+
+
+def add_worker_rpc(name: str, fn: Callable[..., Any]) -> None:
+    """Expose ``fn(worker, *args, **kwargs)`` as worker method ``name``, so
+    ``llm.collective_rpc(name)`` reaches it by name in every worker (a callable
+    would need ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` to cross processes).
+
+    Added when the worker class is hooked (now, or when vLLM imports it). Refuses to shadow an
+    attribute the worker class already has: ``HookError`` when the class is hooked already,
+    a logged error when that is found at vLLM's import."""
+    if _rpcs.get(name, fn) is not fn:
+        raise HookError(
+            f"cannot add the worker RPC {name!r}", observed=f"another function is registered as {name!r}",
+            expected="one function per RPC name", fix="register each RPC once",
+        )
+    _hook_worker_class()
+    if _state["hooked"] is not None:
+        module_name, _, attr = _state["hooked"].partition(":")
+        _add_method(_state["hooked"], getattr(sys.modules[module_name], attr), name, fn)
+    _rpcs[name] = fn
+
+
+def hook_state() -> dict[str, Any]:
+    """Where this process stands: the hooked class path (or ``None``: not imported yet) and
+    whether a hooked ``load_model`` has finished here."""
+    return {"hooked": _state["hooked"], "model_loaded": _state["loaded"]}
 
 
 def worker_model(worker: Any) -> torch.nn.Module:
@@ -231,31 +303,54 @@ def _slot_names(cls: type) -> list[str]:
     return names
 
 
+#: On a sparse impl: the names of the attributes ``replace_impl`` added to the native state.
+_ADDED_ATTR = "_compat_added_state"
+
+
+def native_class(impl: Any) -> type:
+    """The vLLM impl class behind ``impl`` (its own class when it was never replaced)."""
+    return getattr(type(impl), _NATIVE_CLASS_ATTR, type(impl))
+
+
+def _native_state(impl: Any) -> dict[str, Any]:
+    state = dict(getattr(impl, "__dict__", {}))
+    for name in state.pop(_ADDED_ATTR, ()):
+        state.pop(name, None)
+    return state
+
+
+def _rebuild(cls: type, source: Any, state: dict[str, Any]) -> Any:
+    impl = object.__new__(cls)
+    impl.__dict__.update(_native_state(source))
+    for name in _slot_names(native_class(source)):
+        if hasattr(source, name):
+            object.__setattr__(impl, name, getattr(source, name))
+    for name, value in state.items():
+        object.__setattr__(impl, name, value)
+    return impl
+
+
 def replace_impl(layer: Any, mixin: type, state: dict[str, Any]) -> Any:
-    """Set ``layer.impl`` to an instance of ``(mixin, type(layer.impl))`` holding the native
+    """Set ``layer.impl`` to an instance of ``(mixin, native class)`` holding the native
     instance's state plus ``state``, and return it.
 
     The state is copied shallowly (``__dict__`` and ``__slots__`` values), so tensors and
     buffers are shared with the native instance, which nothing uses afterwards: vLLM
-    reaches the impl only through ``layer.impl``. Raises ``ImplReplacementError`` when an
-    attribute cannot be copied (a slot the subclass cannot set, a class that forbids
-    subclassing); the caller keeps the layer native with that reason.
+    reaches the impl only through ``layer.impl``. An impl that is already sparse (a second
+    install) is rebuilt from its native class and native state, so installing twice
+    replaces the first install instead of stacking on it. Raises ``ImplReplacementError``
+    when an attribute cannot be copied (a slot the subclass cannot set, a class that
+    forbids subclassing); the caller keeps the layer native with that reason.
     """
-    native = layer.impl
-    cls = type(native)
+    current = layer.impl
+    cls = native_class(current)
     key = (mixin, cls)
     sparse_cls = _SUBCLASSES.get(key)
     try:
         if sparse_cls is None:
             sparse_cls = type(f"Sparse{cls.__name__}", (mixin, cls), {_NATIVE_CLASS_ATTR: cls})
             _SUBCLASSES[key] = sparse_cls
-        impl = object.__new__(sparse_cls)
-        impl.__dict__.update(getattr(native, "__dict__", {}))
-        for name in _slot_names(cls):
-            if hasattr(native, name):
-                object.__setattr__(impl, name, getattr(native, name))
-        for name, value in state.items():
-            object.__setattr__(impl, name, value)
+        impl = _rebuild(sparse_cls, current, {**state, _ADDED_ATTR: tuple(state)})
     except (TypeError, AttributeError) as exc:
         raise ImplReplacementError(
             f"cannot replace the attention impl {cls.__module__}.{cls.__qualname__}",
@@ -265,3 +360,14 @@ def replace_impl(layer: Any, mixin: type, state: dict[str, Any]) -> Any:
         ) from exc
     layer.impl = impl
     return impl
+
+
+def restore_impl(layer: Any) -> bool:
+    """Give ``layer`` back an instance of its native impl class holding the native state (what
+    ``replace_impl`` added is dropped). Returns True when the layer's impl had been replaced."""
+    current = layer.impl
+    cls = native_class(current)
+    if cls is type(current):
+        return False
+    layer.impl = _rebuild(cls, current, {})
+    return True

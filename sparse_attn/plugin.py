@@ -16,18 +16,19 @@ import logging
 from typing import Any
 
 import compat
-from compat import envs, graphs
+from compat import envs, graphs, patches
 from compat import model as cmodel
 from compat import worker as cworker
 from sparse_attn.adapter import Policy, make_sparse
 from sparse_attn.config import SECTION_KEY, SparseAttentionConfig, StartupRefused, startup_notes
+from sparse_attn.kernels import support
 from sparse_attn.protocol import CALIBRATION_ENV, PHASES, STATS_RPC
 from sparse_attn.stats import STATS
 
 logger = logging.getLogger("sparse_attn")
 
 __all__ = ["CALIBRATION_ENV", "STATS_RPC", "SparseAttentionStartupError", "install", "install_in_worker", "register",
-           "sparsity_stats"]
+           "sparsity_stats", "uninstall"]
 
 
 class SparseAttentionStartupError(RuntimeError):
@@ -35,13 +36,19 @@ class SparseAttentionStartupError(RuntimeError):
 
 
 def register() -> None:
-    """Entry point; must stay cheap and must not raise for unrelated processes."""
+    """Entry point, run in every vLLM process (API server, engine core, workers).
+
+    Cheap and safe there: parses the environment (a malformed ``SPARSE_ATTN_*`` variable
+    fails start-up here with its fix, before any model loads) and hooks model loading.
+    It probes nothing and imports no vLLM module: the worker class is hooked when vLLM
+    imports it, so the API server, which never does, is left alone; the probe runs in
+    the worker, at install."""
     _log_to_stderr()
     if envs.get("SPARSE_ATTN_DISABLE"):
         logger.info("sparse-attn: SPARSE_ATTN_DISABLE=1, vLLM attention left native")
         return
-    compat.probe()  # a bad override fails start-up here, with its fix
-    envs.get(CALIBRATION_ENV)  # and so does a malformed calibration variable
+    for name in envs.validate_all():
+        envs.get(name)  # raises that variable's InvalidOverrideError (what was seen, the valid choices)
     cworker.on_model_loaded(install_in_worker)
     cworker.add_worker_rpc(STATS_RPC, sparsity_stats)
 
@@ -105,18 +112,24 @@ def install_in_worker(worker: Any) -> dict:
 
 
 def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, rank: int = 0) -> dict:
+    """Make every attention layer of ``model`` that ``config`` targets and the kernels serve
+    sparse; returns (and logs) the install summary the stats RPC also returns."""
     strict = envs.get("SPARSE_ATTN_STRICT")
     report = compat.probe()
-    installed, native, backends, owners = 0, {}, set(), set()
+    installed, native, backends, owners, features = 0, {}, set(), set(), {}
+    # A second install starts from the native model, so that its summary is the whole truth:
+    # a layer it leaves native runs native, a layer it makes sparse runs with its policy.
+    for layer, _ in cmodel.attention_layers(model):
+        cworker.restore_impl(layer)
     layers = list(cmodel.attention_layers(model))
     for layer, info in layers:
         if config is not None and not config.matches(info.name, [info.owner_class, type(layer).__name__]):
-            native[info.name] = "not targeted by the config"
+            native[info.name] = NOT_TARGETED
             continue
-        reason = _unsupported_reason(info, report)
+        reason = _native_reason(info, report)
         if reason is None:
             info = cmodel.prepare_layer(layer, info)
-            reason = _unsupported_reason(info, report)
+            reason = info.compat_refusal
         if reason is None:
             try:
                 make_sparse(layer, info, policy, STATS)
@@ -128,7 +141,9 @@ def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, ra
         installed += 1
         backends.add(info.backend)
         owners.add(info.owner_class)
-    problems = {name: why for name, why in native.items() if why != "not targeted by the config"}
+        used = info.features.in_use()
+        features[used] = features.get(used, 0) + 1
+    problems = {name: why for name, why in native.items() if why != NOT_TARGETED}
     if strict and problems:
         raise SparseAttentionStartupError(
             f"SPARSE_ATTN_STRICT=1 and {len(problems)} attention layer(s) cannot run sparse: "
@@ -148,29 +163,48 @@ def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, ra
         "cache_writer": {b: e.writer for b, e in entry.items()},
         "mode": "calibration (counting, dense outputs)" if policy.calibration_scales else "serving",
         "targets": list(config.group.targets) if config else ["all (calibration)"],
+        "sparse_features": features,
         "native": reasons,
         "cuda_graphs": {b: d.describe() for b, d in graphs.installed().items() if b in backends},
     }
     STATS.set_install(summary, tuple(sorted(owners)))
     logger.info(
-        "sparse-attn[rank %d]: %d/%d attention layers sparse, backend %s, layout %s, cache writer %s, mode %s, targets %s%s",
+        "sparse-attn[rank %d]: %d/%d attention layers sparse, backend %s, layout %s, cache writer %s, mode %s, "
+        "targets %s, features %s%s",
         rank, installed, len(layers), ",".join(summary["backends"]) or "-", summary["layout"], summary["cache_writer"],
-        summary["mode"], summary["targets"], f", native: {reasons}" if reasons else "",
+        summary["mode"], summary["targets"], features or "-", f", native: {reasons}" if reasons else "",
     )
     return summary
 
 
-def _unsupported_reason(info: cmodel.LayerInfo, report: compat.CompatReport) -> str | None:
-    if info.unsupported:
-        return ", ".join(info.unsupported)
+def uninstall(model: Any) -> int:
+    """Give every attention layer of ``model`` its native impl back and undo what ``install``
+    patched in vLLM's metadata builders (batch capture, CUDA-graph declaration); returns how
+    many layers were sparse. The model-load hook ``register`` added stays."""
+    restored = sum(cworker.restore_impl(layer) for layer, _ in cmodel.attention_layers(model))
+    patches.undo_all("layers")
+    STATS.set_install({"rank": STATS.install.get("rank", 0), "installed": 0, "total": 0, "reason": "uninstalled"}, ())
+    return restored
+
+
+#: The native reason of a layer the checkpoint's ``targets`` / ``ignore`` leave out (not a problem).
+NOT_TARGETED = "not targeted by the config"
+
+
+def _native_reason(info: cmodel.LayerInfo, report: compat.CompatReport) -> str | None:
+    """Why ``info``'s layer must stay native, or ``None``: the one place that joins what
+    the kernels serve (``kernels.support``) with what compat says the layer is and has."""
+    reasons = list(support.unsupported(info.features))
+    if info.compat_refusal:
+        reasons.append(info.compat_refusal)
     entry = report.backends.get(info.backend)
     if entry is None:
-        return f"backend {info.backend} is not served (served: {', '.join(report.backends)})"
-    if entry.layout is None:
-        return f"backend {info.backend}: no known KV-cache layout ({entry.import_error or entry.layout_detail})"
+        reasons.append(f"backend {info.backend} is not served (served: {', '.join(report.backends)})")
+    elif entry.layout is None:
+        reasons.append(f"backend {info.backend}: no known KV-cache layout ({entry.import_error or entry.layout_detail})")
     if info.num_heads % info.num_kv_heads:
-        return f"{info.num_heads} query heads are not a multiple of {info.num_kv_heads} KV heads"
-    return None
+        reasons.append(f"{info.num_heads} query heads are not a multiple of {info.num_kv_heads} KV heads")
+    return ", ".join(reasons) or None
 
 
 def sparsity_stats(worker: Any = None, reset: bool = False) -> dict:

@@ -347,6 +347,7 @@ def calibrate(args) -> int:
         "decode_tokens": args.decode_tokens,
         "tensor_parallel_size": args.tensor_parallel_size,
         "layers_installed_per_worker": installed,
+        "install_per_worker": measurement.installs,
         "seconds": round(time.monotonic() - started, 1),
     }
     write_json_atomic(plan.output, report)

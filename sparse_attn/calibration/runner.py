@@ -47,6 +47,8 @@ class Measurement:
     layers_installed: list[int] = field(default_factory=list)
     layers_total: list[int] = field(default_factory=list)
     owner_classes: list[str] = field(default_factory=list)
+    #: each worker's install summary (``sparse_attn.plugin.install``'s), in rank order
+    installs: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def points(self) -> dict[str, list[FitPoint]]:
@@ -84,6 +86,7 @@ def measure(llm: Any, samples: Sequence[CalibrationSample], scales: Sequence[flo
         result.layers_installed = [s["layers_installed"] for s in snapshots]
         result.layers_total = [s["layers_total"] for s in snapshots]
         result.owner_classes = sorted({c for s in snapshots for c in s["owner_classes"]})
+        result.installs = [dict(s["install"]) for s in snapshots]
         for phase, (skipped, visited) in merge_worker_counts(snapshots, len(scales)).items():
             if any(visited):
                 result.samples[phase].append(SampleCounts(skipped=tuple(skipped), visited=tuple(visited), kv_len=kv_len))

@@ -169,7 +169,7 @@ def test_inherited_declaration_is_wrapped_and_restored(cls):
     decision = graphs.restrict_cudagraph_support(make_backend("CPU_ATTN", cls.Inheriting))
     assert (decision.declared_by, decision.native, decision.sparse) == ("class-attribute", "UNIFORM_BATCH", "UNIFORM_SINGLE_TOKEN_DECODE")
     assert cls.Inheriting.get_cudagraph_support(config(), None) is CGSupport.UNIFORM_SINGLE_TOKEN_DECODE
-    graphs.reset_for_tests()
+    compat.reset_for_tests()
     assert "get_cudagraph_support" not in vars(cls.Inheriting)
     assert cls.Inheriting.get_cudagraph_support(config(), None) is CGSupport.UNIFORM_BATCH
 
@@ -177,7 +177,7 @@ def test_inherited_declaration_is_wrapped_and_restored(cls):
 def test_reset_restores_own_declaration(cls):
     original = vars(cls.Config)["get_cudagraph_support"]
     graphs.restrict_cudagraph_support(make_backend("FLASHINFER", cls.Config))
-    graphs.reset_for_tests()
+    compat.reset_for_tests()
     assert vars(cls.Config)["get_cudagraph_support"] is original
     assert cls.Config.get_cudagraph_support(config(), None) is CGSupport.UNIFORM_BATCH
     assert dict(graphs.installed()) == {}

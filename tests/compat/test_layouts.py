@@ -242,3 +242,71 @@ def test_capture_safe_write_equals_a_per_token_reference(slots):
             expected_v[slot // block_size, slot % block_size] = value[i]
     layouts.write(key, value, key_cache, value_cache, torch.tensor(slots), check=False)
     assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
+
+
+# --------------------------------------------------------------------------- fp8 caches
+FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def reference_fp8_codes(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Independent of torch's float->fp8 cast: the uint8 code of the representable value nearest to
+    ``x / scale`` (fp32 division, as vLLM's writer), ties to the even code, beyond the largest finite
+    value saturated to it (``__NV_SATFINITE``). Decoding the 256 codes is exact."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    values = codes.view(dtype).to(torch.float64)
+    finite = torch.isfinite(values)
+    codes, values = codes[finite], values[finite]
+    top = values.abs().max()
+    target = (x.float() / scale).to(torch.float64).flatten().clamp(-top, top)
+    distance = (target[:, None] - values[None, :]).abs()
+    best = distance.min(dim=1, keepdim=True).values
+    ties = distance == best
+    # among equally near codes (ties, and +0/-0), the even mantissa wins; then the code matching x's sign
+    even = (codes % 2 == 0)[None, :]
+    sign_ok = (codes >= 128)[None, :] == torch.signbit(target)[:, None]
+    score = ties.to(torch.int32) * 4 + (ties & even).to(torch.int32) * 2 + (ties & sign_ok).to(torch.int32)
+    return codes[score.argmax(dim=1)].view(x.shape)
+
+
+@pytest.mark.parametrize("name", list(FP8))
+@pytest.mark.parametrize("scale", [1.0, 0.05, 3.7], ids=["scale-1", "scale-0.05", "scale-3.7"])
+@pytest.mark.parametrize("src", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_fp8_quantisation_matches_a_nearest_even_saturating_reference(name, scale, src):
+    gen = torch.Generator().manual_seed(5)
+    x = torch.cat([torch.randn(4000, generator=gen) * 30, torch.tensor([0.0, -0.0, 1e9, -1e9, 448.0, 449.0, 57344.0])]).to(src)
+    got = layouts.quantise_fp8(x, scale, FP8[name]).view(torch.uint8)
+    assert torch.equal(got, reference_fp8_codes(x, scale, FP8[name]))
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["checked", "capture-safe"])
+@pytest.mark.parametrize("layout", [KVLayout.PACKED, KVLayout.BLOCKS_FIRST, KVLayout.CPU_PACKED], ids=lambda l: l.value)
+@pytest.mark.parametrize("name", list(FP8))
+def test_fp8_writes_quantise_into_the_uint8_cache_through_typed_views(name, layout, check):
+    gen = torch.Generator().manual_seed(9)
+    shape = {KVLayout.PACKED: (B, H, N, 2 * D), KVLayout.CPU_PACKED: (B, H, N, 2 * D), KVLayout.BLOCKS_FIRST: (B, 2, N, H, D)}[layout]
+    cache = torch.zeros(shape, dtype=torch.uint8)
+    typed = layouts.typed_cache(cache, name if name != "fp8_e4m3" else "fp8")  # vLLM's "fp8" is e4m3
+    assert typed.dtype == FP8[name] and typed.data_ptr() == cache.data_ptr()
+    k_view, v_view = layouts.views(layout, typed, D, isa="vec")
+    key, value = torch.randn(2, 3, H, D, generator=gen).unbind(0)
+    k_scale, v_scale = torch.tensor(0.25), torch.tensor(2.0)  # 0-d fp32, as the layer keeps them
+    slots = torch.tensor([N + 3, -1, 2 * N])
+    layouts.write(key, value, k_view, v_view, slots, check=check, k_scale=k_scale, v_scale=v_scale)
+    k_bytes, v_bytes = (v.view(torch.uint8) for v in (k_view, v_view))
+    for i, slot in ((0, N + 3), (2, 2 * N)):
+        assert torch.equal(k_bytes[slot // N, slot % N], reference_fp8_codes(key[i], 0.25, FP8[name]))
+        assert torch.equal(v_bytes[slot // N, slot % N], reference_fp8_codes(value[i], 2.0, FP8[name]))
+    assert int((k_bytes != 0).sum()) <= 2 * H * D, "nothing written for the padding slot"
+
+
+def test_fp8_write_without_scales_is_refused():
+    k_view, v_view = layouts.views(KVLayout.PACKED, layouts.typed_cache(torch.zeros(B, H, N, 2 * D, dtype=torch.uint8), "fp8"), D)
+    with pytest.raises(compat.KVWriteError, match="no scale"):
+        layouts.write(torch.zeros(1, H, D), torch.zeros(1, H, D), k_view, v_view, torch.tensor([0]))
+
+
+def test_typed_cache_refuses_a_non_byte_fp8_cache():
+    with pytest.raises(compat.KVWriteError, match="not uint8"):
+        layouts.typed_cache(torch.zeros(2, 2), "fp8_e5m2")
+    plain = torch.zeros(2, 2)
+    assert layouts.typed_cache(plain, "auto") is plain

@@ -1,5 +1,5 @@
-"""compat.model against fakes (no vLLM): unsupported-layer detection per
-feature, batch capture on a fake metadata builder, a capture that cannot
+"""compat.model against fakes (no vLLM): each layer feature reported as data (every
+backend spelling), batch capture on a fake metadata builder, a capture that cannot
 attach (the layer stays native with the reason), and the phase rule.
 
 The real Attention layers, impl attributes and builder signatures these fakes
@@ -14,6 +14,7 @@ import types
 import pytest
 import torch
 
+import compat
 from compat import model
 
 
@@ -23,41 +24,67 @@ def fake_layer(backend="FLASH_ATTN", **impl_attrs):
     return types.SimpleNamespace(impl=impl, attn_backend=backend_cls)
 
 
-def test_plain_layer_is_supported():
+def test_plain_layer_has_no_features():
     info = model.describe_layer(fake_layer(), "model.layers.0.self_attn.attn", "LlamaAttention")
-    assert info.unsupported == () and not info.needs_batch_capture
+    assert info.features == model.LayerFeatures() and info.compat_refusal is None and not info.needs_batch_capture
+    assert info.features.in_use() == "none"
     assert (info.backend, info.num_heads, info.num_kv_heads, info.head_size, info.scale) == ("FLASH_ATTN", 4, 2, 32, 0.125)
 
 
-@pytest.mark.parametrize("attrs, reason", [
-    pytest.param({"sliding_window": 4096}, "sliding window 4096", id="sliding-window"),
-    pytest.param({"sliding_window": (127, 0)}, "sliding window (127, 0)", id="sliding-window-tuple"),
-    pytest.param({"alibi_slopes": torch.ones(4)}, "ALiBi", id="alibi"),
-    pytest.param({"logits_soft_cap": 30.0}, "logits soft-cap 30.0", id="soft-cap"),
-    pytest.param({"sinks": torch.zeros(4)}, "attention sinks parameter", id="sinks"),
-    pytest.param({"kv_sharing_target_layer_name": "model.layers.0.attn"}, "KV sharing", id="kv-sharing"),
-    pytest.param({"kv_cache_dtype": "fp8_e4m3"}, "quantised KV cache (fp8_e4m3)", id="fp8-cache"),
-    pytest.param({"attn_type": "encoder_only"}, "attention type encoder_only", id="encoder"),
+@pytest.mark.parametrize("attrs, expected", [
+    pytest.param({"sliding_window": 4096}, {"sliding_window": 4096}, id="cpu-int-window"),
+    pytest.param({"sliding_window": (127, 0)}, {"sliding_window": 128}, id="gpu-pair-window-w-minus-1"),
+    pytest.param({"sliding_window": (0, 0)}, {"sliding_window": 1}, id="gpu-pair-window-one-token"),
+    pytest.param({"alibi_slopes": torch.ones(4)}, {"alibi": True}, id="alibi"),
+    pytest.param({"logits_soft_cap": 30}, {"logits_soft_cap": 30.0}, id="soft-cap"),
+    pytest.param({"sinks": torch.zeros(4)}, {"has_sinks": True}, id="sinks"),
+    pytest.param({"kv_sharing_target_layer_name": "model.layers.0.attn"}, {"kv_sharing": True}, id="kv-sharing"),
+    pytest.param({"kv_cache_dtype": "fp8"}, {"kv_cache_dtype": "fp8_e4m3"}, id="fp8-is-e4m3"),
+    pytest.param({"kv_cache_dtype": "fp8_e4m3"}, {"kv_cache_dtype": "fp8_e4m3"}, id="fp8-e4m3"),
+    pytest.param({"kv_cache_dtype": "fp8_e5m2"}, {"kv_cache_dtype": "fp8_e5m2"}, id="fp8-e5m2"),
+    pytest.param({"kv_cache_dtype": "nvfp4"}, {"kv_cache_dtype": "nvfp4"}, id="other-dtype-kept-raw"),
+    pytest.param({"attn_type": "encoder_only"}, {"attn_type": "encoder_only"}, id="encoder"),
 ])
-def test_each_unsupported_feature_is_named(attrs, reason):
+def test_each_feature_is_reported_as_data(attrs, expected):
     info = model.describe_layer(fake_layer(**attrs), "l")
-    assert info.unsupported == (reason,)
+    assert info.features == model.LayerFeatures(**expected) and info.compat_refusal is None
+    assert info.features.in_use() == ", ".join(f"{k}={v}" for k, v in expected.items())
 
 
 @pytest.mark.parametrize("attrs", [
     pytest.param({"sliding_window": None}, id="window-none"),
     pytest.param({"sliding_window": -1}, id="window-minus-1"),
     pytest.param({"sliding_window": (-1, -1)}, id="window-pair"),
+    pytest.param({"sliding_window": (-1, 0)}, id="window-pair-unbounded-left-causal"),
     pytest.param({"logits_soft_cap": 0}, id="soft-cap-0"),
-    pytest.param({"kv_cache_dtype": "bfloat16"}, id="bf16-cache"),
+    pytest.param({"logits_soft_cap": None}, id="soft-cap-none"),
+    pytest.param({"kv_cache_dtype": "auto"}, id="auto-cache"),
     pytest.param({"attn_type": "decoder"}, id="decoder"),
+    pytest.param({"kv_sharing_target_layer_name": None}, id="no-kv-sharing"),
 ])
-def test_backend_spellings_of_off_are_supported(attrs):
-    assert model.describe_layer(fake_layer(**attrs), "l").unsupported == ()
+def test_backend_spellings_of_off_are_no_feature(attrs):
+    info = model.describe_layer(fake_layer(**attrs), "l")
+    assert info.features == model.LayerFeatures() and info.compat_refusal is None
 
 
-def test_mla_backend_is_unsupported():
-    assert "MLA" in model.describe_layer(fake_layer(backend="FLASHINFER_MLA"), "l").unsupported
+@pytest.mark.parametrize("window", [
+    pytest.param((127, 5), id="right-window"),
+    pytest.param(-7, id="negative-int"),
+    pytest.param("128", id="string"),
+])
+def test_an_unknown_window_spelling_is_a_compat_refusal_not_a_guess(window):
+    info = model.describe_layer(fake_layer(sliding_window=window), "l")
+    assert info.features.sliding_window is None
+    assert info.compat_refusal == f"sliding_window {window!r} is a window spelling compat does not know"
+
+
+def test_attention_type_enum_member_uses_its_value():
+    member = types.SimpleNamespace(value="ENCODER_DECODER")
+    assert model.describe_layer(fake_layer(attn_type=member), "l").features.attn_type == "encoder_decoder"
+
+
+def test_mla_backend_is_reported():
+    assert model.describe_layer(fake_layer(backend="FLASHINFER_MLA"), "l").features.mla
 
 
 # --------------------------------------------------------------------------- batch capture
@@ -135,7 +162,7 @@ def test_slotted_metadata_declared_by_the_backend_keeps_the_layer_native():
     layer = fake_layer()
     layer.attn_backend = backend
     info = model.prepare_layer(layer, model.describe_layer(layer, "l"))
-    assert info.unsupported == ("batch capture: SlottedMetadata is slotted; its builder's input cannot be kept on it",)
+    assert info.compat_refusal == "batch capture: SlottedMetadata is slotted; its builder's input cannot be kept on it"
     assert not getattr(builder.build, "_sparse_attn_capture", False), "nothing patched"
 
 
@@ -143,7 +170,7 @@ def test_slotted_metadata_met_at_build_time_sends_batches_native(caplog):
     backend, builder = fake_backend(SlottedMetadata)
     layer = fake_layer()
     layer.attn_backend = backend
-    assert model.prepare_layer(layer, model.describe_layer(layer, "l")).unsupported == ()  # not knowable before a build
+    assert model.prepare_layer(layer, model.describe_layer(layer, "l")).compat_refusal is None  # not knowable before a build
     with caplog.at_level("WARNING", logger="compat"):
         metadata = builder().build(0, common([1], [4]))
         assert len(caplog.records) == 1
@@ -168,7 +195,7 @@ def test_a_capture_that_cannot_attach_is_an_install_time_reason(backend, reason)
     info = model.describe_layer(layer, "l")
     layer.attn_backend = backend
     prepared = model.prepare_layer(layer, info)
-    assert len(prepared.unsupported) == 1 and reason in prepared.unsupported[0]
+    assert reason in prepared.compat_refusal
 
 
 # --------------------------------------------------------------------------- phase rule
@@ -257,7 +284,7 @@ def test_prepare_layer_caps_the_backends_cuda_graph_support(native, declared):
         assert builder.get_cudagraph_support(None, None).name == declared
         assert graphs.installed()["FLASH_ATTN"].installed
     finally:
-        graphs.reset_for_tests()
+        compat.reset_for_tests()
     assert builder.get_cudagraph_support(None, None).name == native, "reset restores vLLM's own answer"
 
 
@@ -272,4 +299,27 @@ def test_a_backend_that_declares_nothing_keeps_the_layer_and_warns_once(caplog):
                 assert model.prepare_layer(layer, info) is info
         assert len([r for r in caplog.records if "cannot declare" in r.getMessage()]) == 1
     finally:
-        graphs.reset_for_tests()
+        compat.reset_for_tests()
+
+
+# --------------------------------------------------------------------------- fp8 and sinks accessors
+def test_fp8_on_cpu_packed_pages_is_refused_not_guessed(monkeypatch):
+    monkeypatch.setenv("SPARSE_ATTN_KV_LAYOUT", "CPU_ATTN=cpu-packed,FLASH_ATTN=packed")
+    compat.reset_for_tests()
+    try:
+        cpu = model.describe_layer(fake_layer(backend="CPU_ATTN", kv_cache_dtype="fp8"), "l")
+        assert model.prepare_layer(fake_layer(backend="CPU_ATTN"), cpu).compat_refusal == \
+            "fp8 pages of the cpu-packed layout are not verified"
+        gpu_layer = fake_layer(backend="FLASH_ATTN", kv_cache_dtype="fp8_e5m2")
+        assert model.prepare_layer(gpu_layer, model.describe_layer(gpu_layer, "l")).compat_refusal is None
+    finally:
+        compat.reset_for_tests()
+
+
+def test_kv_scales_and_sinks_are_the_layers_own_tensors():
+    sinks = torch.zeros(4)
+    layer = fake_layer(sinks=sinks)
+    layer._k_scale, layer._v_scale = torch.tensor(0.5), torch.tensor(2.0)
+    k, v = model.layer_kv_scales(layer)
+    assert k is layer._k_scale and v is layer._v_scale and model.layer_sinks(layer) is sinks
+    assert model.layer_kv_scales(fake_layer()) == (1.0, 1.0) and model.layer_sinks(fake_layer()) is None

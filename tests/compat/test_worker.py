@@ -13,8 +13,16 @@ import types
 import pytest
 import torch
 
+import compat
 from compat import worker
-from compat.errors import CompatError, HookError, ImplReplacementError
+from compat.errors import HookError, ImplReplacementError
+
+
+@pytest.fixture(autouse=True)
+def clean_patches():
+    compat.reset_for_tests()  # every test starts with no hook and no patch
+    yield
+    compat.reset_for_tests()
 
 
 @pytest.fixture
@@ -30,6 +38,9 @@ def fake_worker_class(monkeypatch):
             self.loaded += 1
             return "model"
 
+        def execute_model(self, step):
+            return f"step {step}"
+
     module = types.ModuleType("fake_vllm_worker")
     module.Worker = Worker
     monkeypatch.setitem(sys.modules, "fake_vllm_worker", module)
@@ -39,17 +50,23 @@ def fake_worker_class(monkeypatch):
 
 def test_model_loaded_hook_runs_after_load_and_is_idempotent(fake_worker_class):
     seen = []
+    native_load = fake_worker_class.load_model
 
     def callback(w):
         seen.append(w.loaded)
 
-    assert worker.on_model_loaded(callback) == "fake_vllm_worker:Worker"
+    worker.on_model_loaded(callback)
+    assert worker.hook_state() == {"hooked": "fake_vllm_worker:Worker", "model_loaded": False}
     first_wrapper = fake_worker_class.load_model
     worker.on_model_loaded(callback)  # the plugin's register() runs once per process, but twice must not double
-    assert fake_worker_class.load_model is first_wrapper
+    assert fake_worker_class.load_model is first_wrapper and first_wrapper is not native_load
     w = fake_worker_class()
     assert w.load_model() == "model"
     assert seen == [1], "one call per load, after the model is in place"
+    assert worker.hook_state()["model_loaded"]
+    compat.reset_for_tests()
+    assert fake_worker_class.load_model is native_load and "execute_model" in vars(fake_worker_class)
+    assert fake_worker_class().execute_model(1) == "step 1" and not hasattr(fake_worker_class, "sparse_attn_stats")
 
 
 def test_two_callbacks_share_one_wrapper(fake_worker_class):
@@ -60,14 +77,71 @@ def test_two_callbacks_share_one_wrapper(fake_worker_class):
     assert order == ["a", "b"]
 
 
-def test_no_worker_class_is_an_error_with_a_fix(monkeypatch):
+def test_first_forward_without_the_hook_having_run_warns_once(fake_worker_class, caplog):
+    worker.on_model_loaded(lambda w: None)
+    w = fake_worker_class()
+    with caplog.at_level("WARNING", logger="compat"):
+        assert [w.execute_model(i) for i in range(3)] == ["step 0", "step 1", "step 2"]
+    warnings = [r.getMessage() for r in caplog.records if "without the model-load hook" in r.getMessage()]
+    assert len(warnings) == 1 and "fake_vllm_worker:Worker.load_model" in warnings[0] and "Fix:" in warnings[0]
+
+
+def test_first_forward_after_the_hook_ran_is_silent(fake_worker_class, caplog):
+    worker.on_model_loaded(lambda w: None)
+    w = fake_worker_class()
+    w.load_model()
+    with caplog.at_level("WARNING", logger="compat"):
+        w.execute_model(0)
+    assert not caplog.records
+
+
+@pytest.fixture
+def importable_worker_module(tmp_path, monkeypatch):
+    """A worker module on disk that nothing has imported yet (as in vLLM's API server)."""
+    name = "fake_vllm_lazy_worker"
+    (tmp_path / f"{name}.py").write_text(
+        "class Worker:\n    def load_model(self):\n        return 'loaded'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(worker, "WORKER_CLASS_PATHS", (f"{name}:Worker",))
+    yield name
+    sys.modules.pop(name, None)
+
+
+def test_hooking_imports_nothing_and_patches_when_vllm_imports_the_worker(importable_worker_module):
+    import importlib
+
+    seen = []
+    worker.on_model_loaded(seen.append)
+    worker.add_worker_rpc("sparse_attn_stats", lambda w: "stats")
+    assert importable_worker_module not in sys.modules, "register() must not import the GPU worker"
+    assert worker.hook_state()["hooked"] is None
+    module = importlib.import_module(importable_worker_module)  # what vLLM does in a worker process
+    w = module.Worker()
+    assert w.load_model() == "loaded" and seen == [w] and w.sparse_attn_stats() == "stats"
+    assert worker.hook_state()["hooked"] == f"{importable_worker_module}:Worker"
+
+
+def test_a_worker_module_without_the_class_is_logged_not_raised(tmp_path, monkeypatch, caplog):
+    import importlib
+
+    (tmp_path / "fake_vllm_moved_worker.py").write_text("class GPUWorker:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(worker, "WORKER_CLASS_PATHS", ("fake_vllm_moved_worker:Worker",))
+    try:
+        worker.on_model_loaded(lambda w: None)  # nothing is imported yet: nothing can fail here
+        with caplog.at_level("ERROR", logger="compat"):
+            importlib.import_module("fake_vllm_moved_worker")  # vLLM's own import must not fail because of us
+        (message,) = [r.getMessage() for r in caplog.records]
+        assert "no vLLM worker class to hook" in message and "SPARSE_ATTN_DISABLE=1" in message
+        assert worker.hook_state()["hooked"] is None
+    finally:
+        sys.modules.pop("fake_vllm_moved_worker", None)
+
+
+def test_a_process_without_any_worker_module_gets_no_error(monkeypatch):
     monkeypatch.setattr(worker, "WORKER_CLASS_PATHS", ("fake_vllm_nowhere:Worker",))
-    with pytest.raises(HookError) as info:
-        worker.on_model_loaded(lambda w: None)
-    err = info.value
-    assert isinstance(err, CompatError)
-    assert "fake_vllm_nowhere" in err.observed and "SPARSE_ATTN_DISABLE=1" in err.fix
-    assert "Fix: " in str(err) and "observed" in str(err)
+    worker.on_model_loaded(lambda w: None)  # the API server: no worker module, no error, nothing imported
+    assert "fake_vllm_nowhere" not in sys.modules and worker.hook_state()["hooked"] is None
 
 
 def test_worker_rpc_is_added_by_name(fake_worker_class):
@@ -180,3 +254,21 @@ def test_replace_impl_refuses_with_a_reason_and_leaves_the_layer_alone():
         worker.replace_impl(layer, Mixin, {})
     assert "Final cannot be subclassed" in info.value.observed and "served natively" in info.value.fix
     assert layer.impl is native
+
+
+def test_replacing_a_sparse_impl_again_rebuilds_from_the_native_class():
+    layer = types.SimpleNamespace(impl=Native())
+    first = worker.replace_impl(layer, Mixin, {"_sa_marker": 1, "_sa_old": "x"})
+    second = worker.replace_impl(layer, Mixin, {"_sa_marker": 2})  # no MRO TypeError from (Mixin, SparseNative)
+    assert type(second) is type(first) and type(second).__mro__[1:3] == (Mixin, Native)
+    assert second._sa_marker == 2 and not hasattr(second, "_sa_old"), "only the new install's state"
+    assert worker.native_class(second) is Native and second.buffers is first.buffers
+
+
+def test_restore_impl_gives_back_the_native_class_and_state():
+    layer = types.SimpleNamespace(impl=Native())
+    native = layer.impl
+    worker.replace_impl(layer, Mixin, {"_sa_marker": 1})
+    assert worker.restore_impl(layer) is True
+    assert type(layer.impl) is Native and layer.impl.__dict__ == native.__dict__
+    assert worker.restore_impl(layer) is False, "a native impl is left as it is"

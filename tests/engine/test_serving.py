@@ -85,8 +85,7 @@ def test_malformed_config_fails_startup_with_key_path(checkpoint_with, tmp_path)
 
 def test_disable_env_leaves_vllm_native(checkpoint_with, tmp_path, native_tokens):
     ckpt = checkpoint_with(skip_softmax_section((40.0, 4.0), (20.0, 4.0)))
-    report, log = generate(ckpt, tmp_path, "disabled", SPARSE_ATTN_DISABLE="1")
-    assert "SPARSE_ATTN_DISABLE=1, vLLM attention left native" in log
-    assert "attention layers sparse" not in log
+    report, _ = generate(ckpt, tmp_path, "disabled", SPARSE_ATTN_DISABLE="1")
+    # Disabled means not even hooked: the stats RPC does not exist in the workers.
     assert "sparse_attn_stats" in report["stats"]["unavailable"]
     assert report["tokens"] == native_tokens

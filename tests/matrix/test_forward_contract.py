@@ -78,8 +78,8 @@ def test_sparse_impl_passes_every_native_parameter_through(backend, form, why, m
     monkeypatch.setattr(cls, "forward", recorder)
 
     info = cmodel.LayerInfo(name="model.layers.0.self_attn.attn", owner_class="LlamaAttention", backend=backend,
-                            num_heads=8, num_kv_heads=2, head_size=64, scale=0.125, kv_cache_dtype="auto",
-                            cpu_isa=None, unsupported=())
+                            num_heads=8, num_kv_heads=2, head_size=64, scale=0.125, cpu_isa=None,
+                            features=cmodel.LayerFeatures())
     holder = type("Layer", (), {})()
     holder.impl = object.__new__(cls)  # no __init__: its arguments differ per release; state is not under test
     sparse = make_sparse(holder, info, Policy(scale_factors={"prefill": 3.0, "decode": 3.0}), WorkerStats())

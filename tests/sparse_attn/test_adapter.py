@@ -104,7 +104,7 @@ def build_batch(gen, q_lens, kv_lens):
 
 
 INFO = cmodel.LayerInfo(name="model.layers.0.self_attn.attn", owner_class="LlamaAttention", backend="CPU_ATTN", num_heads=HQ,
-                        num_kv_heads=HKV, head_size=D, scale=SCALE, kv_cache_dtype="auto", cpu_isa="vec", unsupported=())
+                        num_kv_heads=HKV, head_size=D, scale=SCALE, cpu_isa="vec", features=cmodel.LayerFeatures())
 
 
 def sparse_impl(scale_factors, stats, calibration_scales=None):

@@ -3,6 +3,7 @@ native and why, the install summary the stats RPC returns) and logger etiquette.
 
 from __future__ import annotations
 
+import enum
 import logging
 import sys
 import types
@@ -89,6 +90,121 @@ def test_strict_mode_refuses_layers_it_cannot_serve(monkeypatch):
     compat.reset_for_tests()
     with pytest.raises(plugin.SparseAttentionStartupError, match="sliding window 128"):
         plugin.install(Model([Impl(), Impl(sliding_window=128)]), None, POLICY)
+
+
+def test_summary_groups_sparse_layers_by_the_features_they_use():
+    model = Model([Impl(), Impl(kv_cache_dtype="bfloat16"), Impl(kv_cache_dtype="bfloat16"), Impl(sliding_window=(127, 0))])
+    summary = plugin.install(model, None, POLICY)
+    assert summary["installed"] == 3
+    assert summary["sparse_features"] == {"none": 1, "kv_cache_dtype=bfloat16": 2}
+    assert summary["native"] == {"sliding window 128": 1}
+    assert plugin.sparsity_stats()["install"]["sparse_features"] == summary["sparse_features"]
+
+
+def _layer_with_backend(name):
+    layer = SelfAttn(Impl())
+    layer.attn.attn_backend = type("B", (), {"get_name": staticmethod(lambda: name)})
+    return layer
+
+
+def test_every_reason_a_layer_stays_native_is_joined_in_one_place():
+    model = Model([Impl(num_heads=5), Impl(sliding_window=-7), Impl(logits_soft_cap=50.0, sinks=torch.zeros(4))])
+    model.layers.append(_layer_with_backend("FOO_ATTN"))
+    summary = plugin.install(model, None, POLICY)
+    assert summary["installed"] == 0 and summary["total"] == 4
+    assert summary["native"] == {
+        "5 query heads are not a multiple of 2 KV heads": 1,
+        "sliding_window -7 is a window spelling compat does not know": 1,
+        "logits soft-cap 50.0, attention sinks": 1,
+        f"backend FOO_ATTN is not served (served: {', '.join(compat.probe().backends)})": 1,
+    }
+    assert not any(isinstance(layer.attn.impl, SparseAttentionMixin) for layer in model.layers)
+
+
+CGSupport = enum.Enum("AttentionCGSupport", {"NEVER": 0, "UNIFORM_SINGLE_TOKEN_DECODE": 1, "UNIFORM_BATCH": 2, "ALWAYS": 3})
+
+
+class Builder:
+    """A metadata builder with a build and a CUDA-graph declaration, as vLLM's have."""
+
+    _cudagraph_support = CGSupport.UNIFORM_BATCH
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        return types.SimpleNamespace()
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
+        return cls._cudagraph_support
+
+
+def _layer_on(name, builder):
+    layer = SelfAttn(Impl())
+    layer.attn.attn_backend = type("B", (), {"get_name": staticmethod(lambda: name),
+                                             "get_builder_cls": staticmethod(lambda: builder)})
+    return layer
+
+
+def test_install_twice_then_uninstall_restores_the_native_classes(monkeypatch):
+    monkeypatch.setenv("SPARSE_ATTN_KV_LAYOUT", "CPU_ATTN=cpu-packed,FLASHINFER=packed")
+    compat.reset_for_tests()
+    flashinfer_builder = type("FlashInferBuilder", (Builder,), {})
+    own_build, own_declaration = vars(Builder)["build"], vars(Builder)["get_cudagraph_support"]
+    model = Model([Impl()])
+    model.layers.append(_layer_on("CPU_ATTN", Builder))
+    model.layers.append(_layer_on("FLASHINFER", flashinfer_builder))
+    first = plugin.install(model, None, POLICY)
+    assert Builder.get_cudagraph_support(None, None).name == "UNIFORM_SINGLE_TOKEN_DECODE", "declaration patched"
+    assert getattr(flashinfer_builder.build, "_sparse_attn_capture", False), "batch capture patched"
+    again = Policy(scale_factors={"prefill": 5.0, "decode": 5.0}, stats_interval_s=0)
+    second = plugin.install(model, None, again)  # no MRO TypeError, and the summary is true
+    assert first["installed"] == second["installed"] == 3 and second["native"] == {}
+    for layer in model.layers:
+        impl = layer.attn.impl
+        assert impl._sa_policy is again and [c for c in type(impl).__mro__ if c is SparseAttentionMixin] == [SparseAttentionMixin]
+    assert plugin.uninstall(model) == 3
+    assert [type(layer.attn.impl) for layer in model.layers] == [Impl, Impl, Impl]
+    assert not any(k.startswith("_sa_") for layer in model.layers for k in vars(layer.attn.impl))
+    assert vars(Builder)["build"] is own_build and vars(Builder)["get_cudagraph_support"] is own_declaration
+    assert "build" not in vars(flashinfer_builder) and "get_cudagraph_support" not in vars(flashinfer_builder)
+    assert Builder.get_cudagraph_support(None, None).name == "UNIFORM_BATCH"
+    assert plugin.sparsity_stats()["install"]["installed"] == 0
+
+
+def test_a_second_install_that_leaves_a_layer_native_really_runs_it_native():
+    model = Model([Impl(), Impl()])
+    plugin.install(model, None, POLICY)
+    config = types.SimpleNamespace(matches=lambda name, classes: name.startswith("layers.0."),
+                                   group=types.SimpleNamespace(targets=("re:layers.0",)))
+    summary = plugin.install(model, config, POLICY)
+    assert summary["installed"] == 1 and summary["native"] == {plugin.NOT_TARGETED: 1}
+    assert [isinstance(layer.attn.impl, SparseAttentionMixin) for layer in model.layers] == [True, False]
+
+
+def test_register_probes_nothing_and_imports_no_worker(monkeypatch):
+    from compat import worker as cworker
+
+    monkeypatch.setattr(cworker, "WORKER_CLASS_PATHS", ("fake_vllm_unimported_worker:Worker",))
+    monkeypatch.setattr(compat, "run_probe", lambda: pytest.fail("register() must not probe"))
+    plugin.register()
+    assert "fake_vllm_unimported_worker" not in sys.modules
+    assert compat._report is None and cworker.hook_state()["hooked"] is None
+
+
+def test_register_fails_on_a_bad_variable_with_its_fix(monkeypatch):
+    monkeypatch.setenv("SPARSE_ATTN_CACHE_WRITER", "sometimes")
+    compat.reset_for_tests()
+    with pytest.raises(compat.InvalidOverrideError, match="SPARSE_ATTN_CACHE_WRITER"):
+        plugin.register()
+
+
+def test_disable_is_the_way_out_even_with_a_bad_variable(monkeypatch):
+    monkeypatch.setenv("SPARSE_ATTN_CACHE_WRITER", "sometimes")
+    monkeypatch.setenv("SPARSE_ATTN_DISABLE", "1")
+    compat.reset_for_tests()
+    plugin.register()
+    from compat import worker as cworker
+
+    assert cworker.hook_state()["hooked"] is None
 
 
 @pytest.fixture

@@ -59,7 +59,8 @@ class FakeLLM:
         self.scales = list(scales)
         self.heads = heads
         self.layers = layers
-        self.workers = [WorkerStats(layers_installed=layers, layers_total=layers, owner_classes=("LlamaAttention",)) for _ in heads]
+        self.workers = [WorkerStats(layers_installed=layers, layers_total=layers, owner_classes=("LlamaAttention",),
+                                    install={"rank": rank, "installed": layers}) for rank in range(len(heads))]
         self.rpc_calls: list[tuple[str, dict]] = []
         self.params_seen: list = []
         for w in self.workers:  # warm-up launches (profiling) that calibration must discard
@@ -136,6 +137,7 @@ def test_measure_sums_workers_per_sample_and_phase():
     assert llm.rpc_calls == [(RPC, {"reset": True})] * 4
     assert m.scales == SCALES and m.layers_installed == [2, 2] and m.layers_total == [2, 2]
     assert m.owner_classes == ["LlamaAttention"]
+    assert m.installs == [{"rank": 0, "installed": 2}, {"rank": 1, "installed": 2}], "each worker's summary, rank order"
     for phase in PHASES:
         assert m.samples[phase] == [llm.expected(300, 4, phase), llm.expected(5, 4, phase), llm.expected(80, 4, phase)]
     assert m.samples["prefill"][1].visited[2:] == (0, 0)  # c >= kv_len: no data, as serving runs it dense
