@@ -51,13 +51,13 @@ _callbacks: list[Callable[[Any], None]] = []
 _rpcs: dict[str, Callable[..., Any]] = {}
 #: ``hooked``: the class path patched in this process; ``loaded``: a hooked ``load_model``
 #: finished here; ``checked``: the first ``execute_model`` looked at ``loaded``.
-_state: dict[str, Any] = {"hooked": None, "loaded": False, "checked": False}
+_state: dict[str, Any] = {"hooked": None, "loaded": False, "checked": False, "undo_registered": False}
 
 
 def _forget_hook() -> None:
     _callbacks.clear()
     _rpcs.clear()
-    _state.update(hooked=None, loaded=False, checked=False)
+    _state.update(hooked=None, loaded=False, checked=False, undo_registered=False)
 
 
 def _hook_class(path: str, cls: type) -> None:
@@ -67,7 +67,6 @@ def _hook_class(path: str, cls: type) -> None:
     if _state["hooked"] is not None:
         return
     _state["hooked"] = path
-    patches.on_undo(_forget_hook, scope="hook")
     original = cls.load_model
 
     @functools.wraps(original)
@@ -138,6 +137,9 @@ def _when_imported(path: str) -> Callable[[Any], None]:
 
 def _hook_worker_class() -> None:
     """Hook the worker class now where its module is imported, else when vLLM imports it."""
+    if not _state["undo_registered"]:  # the callbacks and RPCs registered here are undone with the hook
+        _state["undo_registered"] = True
+        patches.on_undo(_forget_hook, scope="hook")
     if _state["hooked"] is not None:
         return
     for path in WORKER_CLASS_PATHS:

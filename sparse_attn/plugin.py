@@ -71,7 +71,7 @@ def _log_to_stderr() -> None:
             log.setLevel(logging.INFO)
 
 
-def _load_config(worker: Any) -> SparseAttentionConfig | None:
+def _load_config(worker: Any, *, calibrating: bool = False) -> SparseAttentionConfig | None:
     """The skip-softmax config of the model this worker loaded; None = native attention.
 
     Read from the HF config vLLM parsed (``compat.cworker.worker_hf_config_section``),
@@ -88,8 +88,9 @@ def _load_config(worker: Any) -> SparseAttentionConfig | None:
         raise SparseAttentionStartupError(f"sparse-attn: {exc}") from None
     for note in (*envs.unknown_warnings(), *startup.warnings):
         logger.warning("sparse-attn: %s", note)
-    for note in startup.info:
-        logger.info("sparse-attn: %s", note)
+    if not calibrating:  # counting mode installs without a config; "left native" would be false
+        for note in startup.info:
+            logger.info("sparse-attn: %s", note)
     return startup.config
 
 
@@ -97,7 +98,7 @@ def install_in_worker(worker: Any) -> dict:
     """Replace the impl of every attention layer the checkpoint's config targets.
     Returns (and logs) the worker's install report."""
     scales = envs.get(CALIBRATION_ENV)
-    config = _load_config(worker)
+    config = _load_config(worker, calibrating=scales is not None)
     if config is None and scales is None:
         summary = {"rank": cworker.worker_rank(worker), "installed": 0, "total": 0,
                    "reason": "no skip-softmax sparse_attention_config"}

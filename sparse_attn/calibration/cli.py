@@ -30,8 +30,14 @@ from sparse_attn.calibration.export import (
     write_json_atomic,
 )
 from sparse_attn.calibration.fit import fit_counts
-from sparse_attn.calibration.prompts import CalibrationSample, check_lengths, check_vocabulary, load_prompts
-from sparse_attn.calibration.runner import PHASES, candidate_scales, counting_mode_env, measure
+from sparse_attn.calibration.prompts import (
+    CalibrationSample,
+    ChatTemplatePrompts,
+    check_lengths,
+    check_vocabulary,
+    load_prompts,
+)
+from sparse_attn.calibration.runner import PHASES, candidate_scales, counting_mode_env, measure, served_layers
 from sparse_attn.calibration.synthetic import generate_calibration_samples
 from sparse_attn.calibration.outputs import DEFAULT_OUTPUT, QWEN_DUAL_CHUNK_FILE, check_destinations
 from sparse_attn.config import SparseAttentionConfigError, read_config_json
@@ -256,9 +262,31 @@ def _load_user_samples(args, plan: _Plan) -> list[CalibrationSample] | None:
     return samples
 
 
+def _task_samples(args, plan: _Plan, tokenizer) -> list[CalibrationSample]:
+    """``--calib_set tasks``: the eval's kinds of prompt (chat-wrapped when the tokenizer has a template),
+    from calibration's own random stream, ``--calib_samples`` of them round-robin over kinds and length bins."""
+    from sparse_attn.calibration.synthetic import length_bins
+    from sparse_attn.evaluation.tasks import EVAL_TASKS, build_samples
+
+    bins = length_bins(plan.calib_max_seqlen, min(args.calib_min_seqlen, plan.calib_max_seqlen))
+    per_cell = -(-args.calib_samples // (len(EVAL_TASKS) * len(bins)))
+    built = build_samples(tokenizer, tasks=EVAL_TASKS, lengths=bins, per_cell=per_cell, seed=args.seed,
+                          reserve=args.decode_tokens + 40, stream="calib")
+    order = sorted(built, key=lambda s: (s.index, bins.index(s.length), EVAL_TASKS.index(s.task)))
+    return [CalibrationSample(prompt_token_ids=s.prompt_token_ids, task=s.task, target_len=s.length,
+                              num_tokens=len(s.prompt_token_ids)) for s in order[:args.calib_samples]]
+
+
 def _samples(args, plan: _Plan, tokenizer, loaded: list[CalibrationSample] | None) -> list[CalibrationSample]:
     try:
+        if loaded is None and getattr(args, "calib_set", "synthetic") == "tasks":
+            loaded = _task_samples(args, plan, tokenizer)
         if loaded is None:
+            if _use_chat_template(args, tokenizer):
+                # A chat model is served chat turns: its attention over a template-wrapped prompt
+                # (system turn, role markers, the generation prompt) is what serving sees.
+                tokenizer = ChatTemplatePrompts(tokenizer)
+                print("calibrate: synthetic prompts wrapped in the tokenizer's chat template (--chat_template off: raw text)")
             loaded = generate_calibration_samples(
                 tokenizer, num_samples=args.calib_samples, max_seqlen=plan.calib_max_seqlen,
                 min_seqlen=min(args.calib_min_seqlen, plan.calib_max_seqlen), num_decode_tokens=args.decode_tokens, seed=args.seed,
@@ -266,6 +294,14 @@ def _samples(args, plan: _Plan, tokenizer, loaded: list[CalibrationSample] | Non
         return check_lengths(loaded, tokenizer, max_model_len=plan.max_model_len, decode_tokens=args.decode_tokens)
     except CalibrationDataError as exc:
         raise CliError(str(exc)) from None
+
+
+def _use_chat_template(args, tokenizer) -> bool:
+    mode = getattr(args, "chat_template", "auto")
+    has = bool(getattr(tokenizer, "chat_template", None))
+    if mode == "on" and not has:
+        raise CliError("--chat_template on: the checkpoint's tokenizer has no chat template. Fix: --chat_template off")
+    return mode == "on" or (mode == "auto" and has)
 
 
 @contextlib.contextmanager
@@ -318,13 +354,22 @@ def calibrate(args) -> int:
             tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
             backend=args.attention_backend, extra=plan.engine_extra,
         ))
+        # What each worker installed, before any sample runs: the layers served sparse are the
+        # ones calibrated (the same rules decide at serving time), and a model none of whose
+        # layers can be served is refused here rather than after the whole run.
+        try:
+            served = served_layers(llm.collective_rpc(STATS_RPC))
+        except CalibrationError as exc:
+            raise CliError(f"{exc}; nothing was calibrated or written") from None
+        print(f"calibrate: {served.describe()}")
         with tqdm(total=len(samples), desc="calibrating", unit="sample") as progress:
             measurement = measure(llm, samples, scales, decode_tokens=args.decode_tokens, stats_rpc=STATS_RPC, progress=progress)
         del llm
     installed, total = measurement.layers_installed, measurement.layers_total
-    if not total or any(i != t or t == 0 for i, t in zip(installed, total)):
-        raise CliError(f"the counting adapter ran on {installed} of {total} attention layers per worker; "
-                       f"expected all (see the sparse-attn log lines for the layers left native and why)")
+    if installed != list(served.installed) or total != list(served.total):
+        raise CliError(f"the counting adapter ran on {installed} of {total} attention layers per worker, but the "
+                       f"workers installed it on {list(served.installed)} of {list(served.total)} at start-up; "
+                       f"nothing written (see the sparse-attn log lines)")
 
     phases = [p for p in PHASES if measurement.samples[p]]
     fits, errors = {}, []
@@ -337,17 +382,25 @@ def calibrate(args) -> int:
         raise CliError("fit failed, nothing written: " + "; ".join(errors or ["no phase produced data points"]))
     for fit in fits.values():
         print("fit " + fit.summary())
+    spread = {phase: measurement.spread_by_task(phase, fit.scale_at_target) for phase, fit in fits.items()}
+    for phase, tasks in spread.items():
+        if len(tasks) > 1:
+            print(f"calibrate: {phase} sparsity at the fitted scale by prompt kind (pooled, prompts min..max): "
+                  + "; ".join(f"{t} {100 * v['pooled']:.1f}% ({100 * v['min']:.0f}..{100 * v['max']:.0f}, n={v['n']})"
+                              for t, v in tasks.items()))
 
     section = build_sparse_attention_config(fits, target_classes=measurement.owner_classes or None)
     report = {
         "sparse_attention_config": section,
-        "calibration": {phase: f.to_report() for phase, f in fits.items()},
+        "calibration": {phase: {**f.to_report(), "spread_by_task": spread[phase]} for phase, f in fits.items()},
         "counts": measurement.counts_report(),
         "samples": len(samples),
         "decode_tokens": args.decode_tokens,
         "tensor_parallel_size": args.tensor_parallel_size,
         "layers_installed_per_worker": installed,
         "install_per_worker": measurement.installs,
+        "layers_total_per_worker": total,
+        "layers_native": served.native,
         "seconds": round(time.monotonic() - started, 1),
     }
     write_json_atomic(plan.output, report)

@@ -46,7 +46,7 @@ At serve time ``lambda = a * exp(b * target) / kv_len`` per sequence and launch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Sequence
 
 from .errors import CalibrationError
@@ -86,6 +86,7 @@ class SampleCounts:
     skipped: tuple[int, ...]
     visited: tuple[int, ...]
     kv_len: int = 0
+    task: str | None = field(default=None, compare=False)  # the prompt kind, for the per-task spread in the report
 
     def __post_init__(self) -> None:
         if len(self.skipped) != len(self.visited):

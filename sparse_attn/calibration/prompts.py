@@ -32,7 +32,8 @@ from sparse_attn.jsonio import JsonInputError, loads, read_text_file, shorten
 
 from .errors import CalibrationDataError
 
-__all__ = ["SAMPLES_FILE", "CalibrationSample", "Tokenizer", "check_lengths", "check_vocabulary", "load_prompts"]
+__all__ = ["SAMPLES_FILE", "CalibrationSample", "ChatTemplatePrompts", "Tokenizer", "check_lengths", "check_vocabulary",
+           "load_prompts"]
 
 #: The file a ``--calib_data_dir`` directory must contain.
 SAMPLES_FILE = "samples.jsonl"
@@ -44,6 +45,22 @@ SAMPLE_KEYS = ("prompt", "prompt_token_ids", "task", "answers", "target_len")
 
 class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
+
+
+class ChatTemplatePrompts:
+    """A :class:`Tokenizer` whose ``encode(text)`` is the chat template's own token ids for one user
+    turn holding ``text`` plus the generation prompt (a Hugging Face tokenizer's
+    ``apply_chat_template(..., tokenize=True)``; never the template's text tokenised again, which
+    adds a second BOS). Synthetic calibration prompts are sized and measured through it."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
 
 
 @dataclass(frozen=True)

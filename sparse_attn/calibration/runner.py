@@ -19,7 +19,11 @@ from sparse_attn.calibration.fit import FitPoint
 from sparse_attn.calibration.fit import CalibrationError, SampleCounts, pool
 from sparse_attn.protocol import PHASES, calibration_env, merge_worker_counts
 
-__all__ = ["PHASES", "Measurement", "candidate_scales", "counting_mode_env", "measure", "merge_worker_counts"]
+#: The plugin's log interval variable (registered in compat.envs); 0 turns the periodic lines off.
+STATS_INTERVAL_ENV = "SPARSE_ATTN_STATS_INTERVAL_S"
+
+__all__ = ["PHASES", "Measurement", "ServedLayers", "candidate_scales", "counting_mode_env", "measure", "merge_worker_counts",
+           "served_layers"]
 
 
 def candidate_scales(max_kv_len: int, num: int = 24, low: float = 1e-2) -> list[float]:
@@ -55,11 +59,34 @@ class Measurement:
         """Per phase, the pooled curve: one point per candidate (:func:`~sparse_attn.calibration.fit.pool`)."""
         return {phase: pool(self.scales, samples) for phase, samples in self.samples.items() if samples}
 
+    def spread_by_task(self, phase: str, scale: float) -> dict[str, dict[str, float | int]]:
+        """Each prompt kind's sparsity at ``scale`` (the fitted scale at the target): its pooled
+        value (tiles summed over its prompts, as serving would report it), and its prompts'
+        min / max, so the report says how far another mix of prompts may land from the target."""
+        by_task: dict[str, list[SampleCounts]] = {}
+        for s in self.samples.get(phase, []):
+            by_task.setdefault(s.task or "unlabelled", []).append(s)
+        out = {}
+        for task, samples in sorted(by_task.items()):
+            per = [v for v in (s.sparsity_at(self.scales, scale) for s in samples) if v is not None]
+            pooled = [p for p in pool(self.scales, samples)]
+            value = _interpolate_points(pooled, scale)
+            if per and value is not None:
+                out[task] = {"n": len(per), "pooled": value, "min": min(per), "max": max(per)}
+        return out
+
     def counts_report(self) -> dict[str, Any]:
         """The raw counts as JSON-ready data (kept in the calibration report, so a fit can be replayed offline)."""
         return {"scales": list(self.scales),
-                "samples": {phase: [{"kv_len": s.kv_len, "skipped": list(s.skipped), "visited": list(s.visited)} for s in samples]
+                "samples": {phase: [{"kv_len": s.kv_len, "task": s.task, "skipped": list(s.skipped), "visited": list(s.visited)}
+                                    for s in samples]
                             for phase, samples in self.samples.items()}}
+
+
+def _interpolate_points(points: Sequence[FitPoint], scale: float) -> float | None:
+    """Sparsity of a pooled curve at ``scale``, linear in ``ln scale`` between its candidates."""
+    return SampleCounts(skipped=tuple(round(p.sparsity * 10**9) for p in points), visited=tuple(10**9 for _ in points)) \
+        .sparsity_at([p.scale for p in points], scale) if points else None
 
 
 def measure(llm: Any, samples: Sequence[CalibrationSample], scales: Sequence[float], *, decode_tokens: int,
@@ -89,7 +116,8 @@ def measure(llm: Any, samples: Sequence[CalibrationSample], scales: Sequence[flo
         result.installs = [dict(s["install"]) for s in snapshots]
         for phase, (skipped, visited) in merge_worker_counts(snapshots, len(scales)).items():
             if any(visited):
-                result.samples[phase].append(SampleCounts(skipped=tuple(skipped), visited=tuple(visited), kv_len=kv_len))
+                result.samples[phase].append(SampleCounts(skipped=tuple(skipped), visited=tuple(visited), kv_len=kv_len,
+                                                          task=sample.task))
         if progress is not None:
             progress.update(1)
             progress.set_postfix(tokens=kv_len, decode_steps=decode_tokens)
@@ -97,5 +125,43 @@ def measure(llm: Any, samples: Sequence[CalibrationSample], scales: Sequence[flo
 
 
 def counting_mode_env(scales: Sequence[float]) -> dict[str, str]:
-    """Environment that puts every worker's adapters in counting mode (inherited by worker processes)."""
-    return calibration_env(scales)
+    """Environment that puts every worker's adapters in counting mode (inherited by worker processes).
+    The periodic achieved-sparsity log lines are off: counting mode skips nothing, they would say
+    "n/a of 0 tiles" every minute."""
+    return {**calibration_env(scales), STATS_INTERVAL_ENV: "0"}
+
+
+@dataclass(frozen=True)
+class ServedLayers:
+    """What the workers installed at start-up (their install summaries): per worker the layers
+    counted, the attention layers found, and why the others stay native (reason -> layer count)."""
+
+    installed: tuple[int, ...]
+    total: tuple[int, ...]
+    native: dict[str, int]
+
+    def describe(self) -> str:
+        per = ", ".join(f"{i}/{t}" for i, t in zip(self.installed, self.total))
+        why = "; ".join(f"{n} x {reason}" for reason, n in sorted(self.native.items(), key=lambda kv: -kv[1]))
+        return (f"counting skippable tiles on {per} attention layers per worker (the layers that will be served sparse)"
+                + (f"; left native, and not calibrated: {why}" if why else ""))
+
+
+def served_layers(snapshots: Sequence[dict]) -> ServedLayers:
+    """The workers' install summaries (stats RPC snapshots) as :class:`ServedLayers`; raises
+    :class:`CalibrationError` when no worker can serve any layer, naming each reason."""
+    native: dict[str, int] = {}
+    for snap in snapshots[:1]:  # every rank holds the same layers; count them once
+        for reason, n in (snap.get("install") or {}).get("native", {}).items():
+            native[reason] = native.get(reason, 0) + int(n)
+    served = ServedLayers(installed=tuple(int(s["layers_installed"]) for s in snapshots),
+                          total=tuple(int(s["layers_total"]) for s in snapshots), native=native)
+    if not snapshots or not any(served.total):
+        raise CalibrationError("the workers found no attention layer to calibrate (the model has none vLLM reports)")
+    if not all(served.installed):
+        reasons = "; ".join(f"{n} layer(s): {r}" for r, n in native.items()) or "no reason reported"
+        raise CalibrationError(
+            f"no attention layer of this model can be served sparse ({served.installed} of {served.total} per worker), "
+            f"so there is nothing to calibrate: {reasons}. Fix: serve it natively (no calibration needed), or use a "
+            f"vLLM release / attention backend that serves these layers (README: layers that stay native)")
+    return served

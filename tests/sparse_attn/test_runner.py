@@ -15,7 +15,7 @@ import pytest
 
 from sparse_attn.calibration.prompts import CalibrationSample
 from sparse_attn.calibration.fit import CalibrationError, SampleCounts, pool
-from sparse_attn.calibration.runner import PHASES, candidate_scales, measure, merge_worker_counts
+from sparse_attn.calibration.runner import PHASES, Measurement, candidate_scales, measure, merge_worker_counts
 from sparse_attn.stats import WorkerStats
 
 RPC = "sparse_attn_stats"
@@ -145,8 +145,24 @@ def test_measure_sums_workers_per_sample_and_phase():
     assert m.points == {phase: pool(SCALES, m.samples[phase]) for phase in PHASES}
     report = m.counts_report()
     assert report["scales"] == SCALES
-    assert report["samples"]["decode"][0] == {"kv_len": 300, "skipped": list(m.samples["decode"][0].skipped),
+    assert report["samples"]["decode"][0] == {"kv_len": 300, "task": _samples()[0].task,
+                                             "skipped": list(m.samples["decode"][0].skipped),
                                              "visited": list(m.samples["decode"][0].visited)}
+    assert [s.task for s in m.samples["prefill"]] == [s.task for s in _samples()]
+
+
+def test_spread_by_task_pools_each_kind_at_the_scale():
+    """At a candidate scale the pooled value is that kind's tiles skipped / visited; min..max over its prompts."""
+    scales = [1.0, 2.0, 4.0]
+    m = Measurement(scales=scales)
+    m.samples["prefill"] = [SampleCounts(skipped=(10, 20, 30), visited=(100, 100, 100), task="qa"),
+                            SampleCounts(skipped=(30, 60, 90), visited=(100, 100, 100), task="qa"),
+                            SampleCounts(skipped=(5, 5, 5), visited=(50, 50, 50), task="niah")]
+    spread = m.spread_by_task("prefill", 2.0)
+    assert spread["qa"] == {"n": 2, "pooled": pytest.approx(80 / 200), "min": pytest.approx(0.2), "max": pytest.approx(0.6)}
+    assert spread["niah"]["pooled"] == pytest.approx(0.1) and spread["niah"]["n"] == 1
+    # between candidates: linear in ln(scale), as the fit interpolates
+    assert m.spread_by_task("prefill", 2.0 ** 1.5)["qa"]["pooled"] == pytest.approx(0.5)
 
 
 def test_measure_without_decode_has_no_decode_samples():

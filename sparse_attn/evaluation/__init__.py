@@ -1,0 +1,1 @@
+"""``sparse-attn eval``: held-out accuracy and sparsity of a calibrated checkpoint, dense vs sparse."""

@@ -1,0 +1,103 @@
+"""One eval configuration in its own process: ``python -m sparse_attn.evaluation.engine JOB OUT``.
+
+The parent (:mod:`sparse_attn.evaluation.run`) writes ``JOB`` (JSON: checkpoint, engine settings,
+the ``sparse_attention_config`` to serve or ``null`` for native vLLM, the cells of token-id
+prompts) and sets the environment (``SPARSE_ATTN_DISABLE=1`` for native); this process starts one
+vLLM engine, runs each cell twice, and writes ``OUT``:
+
+1. **generate**: the cell's prompts in one batch, greedy, ``decode_tokens`` new tokens each
+   (``ignore_eos``: every configuration decodes the same number of steps); wall time and, with the
+   plugin, the workers' tile counters per phase for exactly this batch (read and reset through the
+   stats RPC around it);
+   with the top-``TOP_K`` log-probabilities of the first generated step (the distribution the answer
+   is read from: its first token's logprob and the KL against dense come from it, at no extra cost);
+2. **teacher-forced** (``teacher_forced`` in the job, ``--teacher_forced``): prompt + answer tokens, one new
+   token, ``prompt_logprobs=0``: each answer token's logprob and rank given the true tokens before it (a
+   second prefill of every prompt: on CPU it doubles the run).
+
+A fresh process per configuration: every engine starts from the same state (no compiled kernels,
+caches or plugin state carried over), and the plugin reads ``SPARSE_ATTN_*`` at start-up.
+Progress: one ``EVAL-PROGRESS <done> <total>`` line per cell on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+PROGRESS_PREFIX = "EVAL-PROGRESS"
+#: Top log-probabilities kept of the first generated step.
+TOP_K = 20
+
+
+def _phase_counts(snapshots: list[dict]) -> dict[str, dict[str, int]]:
+    from sparse_attn.protocol import PHASES, phase_totals
+
+    return {phase: phase_totals(snapshots, phase) for phase in PHASES}
+
+
+def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    from compat import offline
+    from sparse_attn.protocol import STATS_RPC
+    from vllm import LLM
+
+    sparse = job["section"] is not None
+    overrides = {"sparse_attention_config": job["section"]} if sparse else None
+    t = time.monotonic()
+    llm = LLM(**offline.eval_engine_kwargs(model=job["checkpoint"], dtype=job["dtype"], max_model_len=job["max_model_len"],
+                                           seed=job["seed"], backend=job.get("backend"), hf_overrides=overrides,
+                                           kv_cache_bytes=job["kv_cache_bytes"]))
+    started_s = time.monotonic() - t
+
+    def stats(reset: bool = True) -> list[dict] | None:
+        return llm.collective_rpc(STATS_RPC, kwargs={"reset": reset}) if sparse else None
+
+    # Warm-up outside every timed batch (first-call allocations, thread pools).
+    first = job["cells"][0]["prompts"][0]
+    offline.generate(llm, [first[: min(len(first), 256)]], offline.sampling_params(max_tokens=2))
+    layers = None
+    if sparse:
+        snap = stats()
+        layers = [[s["layers_installed"], s["layers_total"]] for s in snap]
+    gen_params = offline.sampling_params(max_tokens=job["decode_tokens"], logprobs=TOP_K)
+    tf_params = offline.sampling_params(max_tokens=1, prompt_logprobs=0)
+    cells = []
+    total = len(job["cells"])
+    for k, cell in enumerate(job["cells"]):
+        t = time.monotonic()
+        gens = offline.generate(llm, cell["prompts"], gen_params)
+        gen_s = time.monotonic() - t
+        gen_counts = _phase_counts(stats()) if sparse else None
+        forced, tf_s, tf_counts = None, 0.0, None
+        if job.get("teacher_forced"):
+            t = time.monotonic()
+            forced = offline.generate(llm, [p + a for p, a in zip(cell["prompts"], cell["answer_ids"])], tf_params)
+            tf_s = time.monotonic() - t
+            tf_counts = _phase_counts(stats()) if sparse else None
+        cells.append({
+            "task": cell["task"], "length": cell["length"],
+            "generated": [list(g.token_ids) for g in gens], "text": [g.text for g in gens],
+            "first_step": [{str(k): v for k, v in (g.step_logprobs or ({},))[0].items()} for g in gens],
+            "answer_logprobs": None if forced is None else
+            [[list(x) for x in f.prompt_logprobs[len(p):]] for f, p in zip(forced, cell["prompts"])],
+            "generate_s": gen_s, "teacher_forced_s": tf_s, "counts": gen_counts, "teacher_forced_counts": tf_counts,
+        })
+        print(f"{PROGRESS_PREFIX} {k + 1} {total}", flush=True)
+    return {"engine_start_s": started_s, "layers": layers, "cells": cells}
+
+
+def main(argv: list[str]) -> int:
+    job = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
+    result = run_job(job)
+    out = Path(argv[1])
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(result), encoding="utf-8")
+    tmp.replace(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

