@@ -112,18 +112,29 @@ def _decode(data: bytes, where: str) -> str:
 
 def depth_exceeded(value: Any, max_depth: int) -> str | None:
     """The key path of the first place ``value`` nests deeper than ``max_depth``, or None (iterative)."""
-    stack = [(value, "", 1)]
+    # A first pass visits containers only and builds no key paths: a 20 MB config.json
+    # holds ~10^6 values, and a path string per value made this walk seconds long
+    # (issue 19: bounded time). Paths are built only once a value is known to be too deep.
+    stack = [(value, 1)]
     while stack:
-        node, path, depth = stack.pop()
-        if isinstance(node, dict):
-            items = ((f"{path}.{k}" if path else str(k), v) for k, v in node.items())
-        elif isinstance(node, list):
-            items = ((f"{path}[{i}]", v) for i, v in enumerate(node))
-        else:
-            continue
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        if depth > max_depth and isinstance(node, (dict, list)):
+            break
+        depth += 1
+        stack.extend([(child, depth) for child in children if isinstance(child, (dict, list))])
+    else:
+        return None
+    paths: list[tuple[Any, str, int]] = [(value, "", 1)]
+    while paths:
+        node, path, depth = paths.pop()
         if depth > max_depth:
             return path or "the top level"
-        stack.extend((child, child_path, depth + 1) for child_path, child in items)
+        if isinstance(node, dict):
+            paths.extend((v, f"{path}.{k}" if path else str(k), depth + 1) for k, v in node.items()
+                         if isinstance(v, (dict, list)))
+        else:
+            paths.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(node) if isinstance(v, (dict, list)))
     return None
 
 

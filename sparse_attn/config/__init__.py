@@ -72,7 +72,8 @@ nested quantifiers, alternation inside a repeat and back-references (which
 backtrack exponentially) are rejected, as are more than
 ``MAX_UNBOUNDED_REPEATS`` unbounded repeats or patterns longer than
 ``MAX_PATTERN_LENGTH``, because every worker matches every layer at start-up
-and Python's ``re`` cannot be interrupted.
+and Python's ``re`` cannot be interrupted. An empty ``re:`` (it matches every
+name) is rejected too: write ``*`` to mean every layer.
 
 Missing calibration for a phase (no coefficients) means that phase runs dense;
 it is listed in :attr:`SparseAttentionConfig.missing_phases` so the caller can

@@ -15,8 +15,9 @@ __all__ = ["MAX_CONFIG_BYTES", "load_from_checkpoint", "read_config_json"]
 
 
 #: Largest ``config.json`` read (Hugging Face configs are kilobytes; a few with big
-#: label maps reach a megabyte).
-MAX_CONFIG_BYTES = 64 << 20
+#: label maps reach a megabyte). 16 MiB keeps the parse and the depth walk of the
+#: largest accepted file near a second here (issue 19: bounded time; 23 MB took 4.4 s).
+MAX_CONFIG_BYTES = 16 << 20
 _CONFIG_FIX = "point at a Hugging Face checkpoint directory whose config.json is a UTF-8 JSON object (repair or re-download it)"
 
 

@@ -190,8 +190,8 @@ class SectionReading:
 
 def _foreign_note(section: Any) -> str:
     if isinstance(section, Mapping):
-        keys = ", ".join(short_text(k, 40) for k in sorted(map(str, section))[:6]) or "none"
-        shape = f"an object with keys {keys}"
+        keys = ", ".join(short_text(k, 40) for k in sorted(map(str, section))[:6])
+        shape = f"an object with keys {keys}" if keys else "an empty object"
     else:
         shape = f"a {type(section).__name__}"
     return (

@@ -125,6 +125,12 @@ def pattern_list(value: Any, path: str, source: str | None) -> tuple[str, ...]:
                     "write the module or class name, or a shorter wildcard pattern", source=source,
                 )
             continue
+        if v == "re:":
+            # re.match("") succeeds on every name: an empty re: targets (or ignores) every layer.
+            raise SparseAttentionConfigError(
+                path, v, "a regular expression after 're:' (an empty one matches every layer)",
+                "write the pattern after 're:', or use '*' to mean every layer on purpose", source=source,
+            )
         problem = check_regex(v[3:])
         if problem:
             raise SparseAttentionConfigError(path, v, problem[0], problem[1], source=source)

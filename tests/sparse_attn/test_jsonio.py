@@ -81,6 +81,15 @@ def test_depth_path_names_the_key():
     assert jsonio.depth_exceeded(value, 5) is None
 
 
+@pytest.mark.parametrize("max_depth, expected", [(0, "the top level"), (1, "g"), (2, "g[4999]"), (3, "g[4999].x"),
+                                                 (4, None)], ids=lambda v: str(v))
+def test_depth_path_among_many_siblings_and_leaves(max_depth, expected):
+    # Wide values with leaves everywhere and one deeper branch last: the first pass skips
+    # leaves and paths, the second names the place. Reference: the path written by hand.
+    value = {"leaf": 1, "g": [{"a": 1, "b": "x"} for _ in range(4999)] + [{"x": [1, 2]}]}
+    assert jsonio.depth_exceeded(value, max_depth) == expected
+
+
 def test_long_inputs_are_cut():
     assert jsonio.shorten("x" * 100_000).endswith("... (100000 characters)")
     assert len(jsonio.shorten("x" * 100_000)) < 250
