@@ -145,7 +145,7 @@ def _parse_scale_list(raw: str, var: EnvVar) -> tuple[float, ...] | None:
         values = json.loads(raw)
         ok = isinstance(values, list) and bool(values) and all(
             isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in values)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested past the parser's ~1000 levels
         ok = False
     if not ok:
         raise InvalidOverrideError(

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from typing import Sequence
@@ -165,8 +166,16 @@ def _add_model(sub: argparse._SubParsersAction) -> None:
     msub.add_parser("list", help="the models this command installs, their licences and packages")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its error messages cut: they quote the offending value whole
+    ("invalid float value: '...'"), 100 KB of it for a 100 KB argument (issue 19)."""
+
+    def error(self, message: str):
+        super().error(shorten(message, 600))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sparse-attn", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="sparse-attn", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_calibrate(sub)
     _add_serve(sub)
@@ -174,6 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(sub)
     _add_eval(sub)
     return parser
+
+
+#: Linux's limits (limits.h NAME_MAX / PATH_MAX), quoted when a path is too long.
+_NAME_MAX, _PATH_MAX = 255, 4096
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -204,6 +217,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"sparse-attn {args.command}: interrupted; nothing was written", file=sys.stderr)
         return 130
+    except OSError as exc:
+        # pathlib's exists()/is_dir()/is_file() let ENAMETOOLONG through, at every place a
+        # user's path is looked at (a 100 KB --prompts_file, --plot, eval CKPT, model get DIR):
+        # one answer here instead of a guard at each.
+        if exc.errno != errno.ENAMETOOLONG:
+            raise
+        name = str(exc.filename)
+        print(f"sparse-attn {args.command}: error: the path {shorten(name)} is longer than this filesystem accepts "
+              f"(a name of at most {_NAME_MAX} bytes, a path of at most {_PATH_MAX}; this one has {len(name)} characters). "
+              f"Fix: pass a shorter path", file=sys.stderr)
+        return EXIT_USAGE
 
 
 def model(args) -> int:
@@ -292,6 +316,9 @@ def serve(checkpoint: str, vllm_args: Sequence[str], *, validate_only: bool = Fa
     then exec vLLM's OpenAI server (unless ``validate_only``)."""
     from compat import envs, launch
 
+    if not checkpoint.strip():
+        raise CliError("CKPT is empty; expected a checkpoint directory holding config.json, or a Hugging Face model ID. "
+                       "Fix: pass e.g. sparse-attn serve ./my-checkpoint or sparse-attn serve org/name")
     disabled = _check_environment(envs)
     try:
         server = launch.read_server_args(vllm_args)

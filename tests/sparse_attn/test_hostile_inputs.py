@@ -211,6 +211,17 @@ TRACEBACKS = [
     Case("max_model_len_superscript", lambda t: (["serve", ckpt(t), "--validate-only", "--max-model-len", "\u00b2"], []),
          ("--max-model-len '\u00b2' is not a token count", "Fix: pass e.g. --max-model-len 32768")),
     Case("stale_temp_absurd_pid", _stale_absurd_pid, ("--seed -1 is outside 0..4294967295",)),
+    # pathlib's is_dir()/exists() raise ENAMETOOLONG wherever a user's path is looked at
+    Case("prompts_path_100KB", lambda t: (["calibrate", ckpt(t), "--output", t / "out.json", "--prompts_file",
+                                           t / ("x" * 100_000)], []),
+         ("is longer than this filesystem accepts", "characters). Fix: pass a shorter path")),
+    Case("calib_data_dir_100KB", lambda t: (["calibrate", ckpt(t), "--output", t / "out.json", "--calib_data_dir",
+                                             t / ("x" * 100_000)], []),
+         ("is longer than this filesystem accepts",)),
+    Case("eval_ckpt_100KB", lambda t: (["eval", t / ("x" * 100_000)], []), ("is longer than this filesystem accepts",)),
+    Case("calibration_scales_nested_5000", lambda t: (["serve", ckpt(t), "--validate-only"], []),
+         ("SPARSE_ATTN_CALIBRATION_SCALES is not a JSON list of numbers > 0", "(5000 characters)"),
+         env={"SPARSE_ATTN_CALIBRATION_SCALES": "[" * 5000}),
 ]
 
 
@@ -282,6 +293,8 @@ NONSENSE = [
          ("group_0.targets", "an empty one matches every layer", "use '*' to mean every layer")),
     Case("config_groups_empty", lambda t: (["serve", ckpt(t, {"config_groups": {}}), "--validate-only"], []),
          ("config_groups is an empty object", "wrong shape"), code=0),
+    Case("serve_ckpt_empty", lambda t: (["serve", "", "--validate-only"], []),
+         ("CKPT is empty", "Fix: pass e.g. sparse-attn serve ./my-checkpoint")),
     Case("serve_model_beside_ckpt", lambda t: (["serve", ckpt(t), "--validate-only", "--model", "org/other"], []),
          ("--model org/other is given beside CKPT", "Fix: drop --model")),
     Case("serve_hf_overrides_broken_section", lambda t: (["serve", ckpt(t), "--validate-only", "--hf-overrides", json.dumps(
@@ -372,7 +385,16 @@ def test_hostile_input_gives_a_clear_answer(case, tmp_path, capsys, monkeypatch)
 
 
 def test_every_issue_class_has_rows():
-    assert {cls: len(t) for cls, t in TABLES.items()} == {"files": 11, "traceback": 17, "hang": 8, "nonsense": 25}
+    assert {cls: len(t) for cls, t in TABLES.items()} == {"files": 11, "traceback": 21, "hang": 8, "nonsense": 26}
+
+
+def test_argparse_errors_quote_a_long_value_cut(capsys):
+    # argparse quotes the value it refuses whole; 10000 ratios (~40 KB) are cut to one screen.
+    with pytest.raises(SystemExit) as info:
+        main(["calibrate", "ckpt", "--target_sparse_ratio", ",".join(["0.5"] * 10_000)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert "invalid float value: '0.5,0.5" in err and "characters)" in err and len(err) < 3000
 
 
 def test_a_deep_unknown_key_in_the_hf_config_vllm_loaded_is_a_key_path_error():
