@@ -26,6 +26,7 @@ shared).  Example: ``python benchmarks/bench_kernels.py --repeats 3``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -35,7 +36,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from sparse_attn.kernels import SPLIT_K, TILE_K, TILE_Q, paged_attention, paged_attention_counts  # noqa: E402
+from sparse_attn.kernels import (SPLIT_K, TILE_K, TILE_Q, LayerSpec, PagedBatch, paged_attention,  # noqa: E402
+                                 paged_attention_counts)
 
 _SEGMENT = 256          # tokens per topical segment
 _N_TOPICS = 32          # one-hot topic features; topic 0 marks the attention sink
@@ -56,11 +58,15 @@ def _features(pos: torch.Tensor, rho: float, periods=_PERIODS) -> torch.Tensor:
     return (torch.cat([ang.cos(), ang.sin()], -1) * rho).float()
 
 
-def make_inputs(n_seqs, kv_len, q_len, hq, hkv, d, page, dtype, device, seed=0):
+def make_inputs(n_seqs, kv_len, q_len, hq, hkv, d, page, dtype, device, seed=0, layout="contiguous"):
     """Paged K/V cache (shuffled blocks) and queries with sink/window/topic/noise structure.
 
-    Returns ``(query [T, Hq, D], key_cache, value_cache [blocks, page, Hkv, D],
-    block_table [S, blocks/seq] int32, seq_lens [S] int32, query_start_loc [S+1] int32)``.
+    ``layout``: ``contiguous`` (K and V each ``[blocks, page, Hkv, D]``) or ``cpu-packed``
+    (vLLM's CPU cache ``[blocks, Hkv, page, 2D]``, K dim-major in each page, viewed through
+    ``compat.layouts``, as the serving adapter reads it).
+
+    Returns a :class:`PagedBatch` (query ``[T, Hq, D]``, K/V ``[blocks, page, Hkv, D]``,
+    int32 block table ``[S, blocks/seq]``, seq_lens ``[S]``, query_start_loc ``[S+1]``).
     """
     # Generated on ``device`` (a CUDA generator on GPU: the 64 x 32k decode cache is 8 GiB).
     g = torch.Generator(device=device).manual_seed(seed)
@@ -103,14 +109,22 @@ def make_inputs(n_seqs, kv_len, q_len, hq, hkv, d, page, dtype, device, seed=0):
     seq_lens = torch.full((n_seqs,), kv_len, dtype=torch.int32)
     qsl = torch.arange(n_seqs + 1, dtype=torch.int32) * q_len
     to = dict(device=device)
-    return (query.to(dtype=dtype, **to), kc.to(dtype=dtype, **to), vc.to(dtype=dtype, **to),
-            block_table.to(**to), seq_lens.to(**to), qsl.to(**to))
+    kc, vc = kc.to(dtype=dtype, **to), vc.to(dtype=dtype, **to)
+    if layout == "cpu-packed":
+        from compat import layouts
+
+        kv = torch.empty(n_blocks, hkv, page, 2 * d, dtype=dtype, **to)
+        kc_view, vc_view = layouts.views("cpu-packed", kv, d, isa="vec")
+        kc_view.copy_(kc)
+        vc_view.copy_(vc)
+        kc, vc = kc_view, vc_view
+    return PagedBatch(query.to(dtype=dtype, **to), kc, vc, block_table.to(**to), seq_lens.to(**to), qsl.to(**to))
 
 
-def calibrate(args, scale, targets, impl):
+def calibrate(batch, scale, targets, impl):
     """Lambdas reaching each target tile sparsity, from one counting pass over a lambda grid."""
     grid = torch.logspace(-7, 0, 141).tolist()
-    _, skipped, visited = paged_attention_counts(*args, grid, scale=scale, impl=impl)
+    _, skipped, visited = paged_attention_counts(batch, LayerSpec(scale), grid, impl=impl)
     frac = (skipped.sum(1).double() / visited.sum().double()).tolist()
     return [min(range(len(grid)), key=lambda i: abs(frac[i] - t)) for t in targets], grid, frac
 
@@ -131,9 +145,9 @@ def timeit(fns, repeats, sync):
     return best
 
 
-def gathered(args, q_len):
+def gathered(batch, q_len):
     """K/V of every sequence as contiguous ``[S, Hkv, kv_len, D]`` and queries ``[S, Hq, q, D]``."""
-    query, kc, vc, bt, seq_lens, _ = args
+    query, kc, vc, bt, seq_lens = batch.query, batch.key_cache, batch.value_cache, batch.block_table, batch.seq_lens
     n_seqs, kv_len, page = bt.shape[0], int(seq_lens[0]), kc.shape[1]
     pos = torch.arange(kv_len, device=kc.device)
     blk = bt.long()[:, pos // page]
@@ -158,23 +172,24 @@ def run(cfg, a):
     name, n_seqs, kv_len, q_len, hq, hkv, head_dim = cfg
     device = a.device
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype]
-    impl = "torch" if device == "cpu" else "triton"
+    impl = a.impl if device == "cpu" else "triton"
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    args = make_inputs(n_seqs, kv_len, q_len, hq, hkv, head_dim, a.page_size, dtype, device)
+    args = make_inputs(n_seqs, kv_len, q_len, hq, hkv, head_dim, a.page_size, dtype, device, layout=a.layout)
     scale = 1 / math.sqrt(head_dim)
     picks, grid, frac = calibrate(args, scale, (0.5, 0.75), impl)
     q, k, v = gathered(args, q_len)
-    fns = [lambda: paged_attention(*args, scale=scale, threshold=0.0, impl=impl),
+    spec = LayerSpec(scale)
+    fns = [lambda: paged_attention(args, spec, threshold=0.0, impl=impl),
            sdpa_fn(q, k, v, scale, q_len, kv_len)]
-    fns += [(lambda lam: lambda: paged_attention(*args, scale=scale, threshold=lam, impl=impl))(grid[i])
+    fns += [(lambda lam: lambda: paged_attention(args, spec, threshold=lam, impl=impl))(grid[i])
             for i in picks]
     times = timeit(fns, a.repeats, sync)
     t_dense, t_sdpa = times[0], times[1]
-    ref = paged_attention(*args, scale=scale, impl=impl).float()
+    ref = paged_attention(args, spec, impl=impl).float()
     rows = []
     for j, i in enumerate(picks):
         lam = grid[i]
-        err = (paged_attention(*args, scale=scale, threshold=lam, impl=impl).float() - ref).abs().max().item()
+        err = (paged_attention(args, spec, threshold=lam, impl=impl).float() - ref).abs().max().item()
         rows.append((name, n_seqs, kv_len, q_len, f"{hq}/{hkv}/{head_dim}", f"{lam:.2e}", f"{frac[i]:.1%}", t_dense,
                      times[2 + j], t_sdpa, err))
     return rows
@@ -281,12 +296,13 @@ def gpu_suite(device="cuda", dtype=torch.bfloat16, cases=GPU_CASES, dims=GPU_DIM
         q, k, v = gathered(args, q_len)
         sdpa, backend = _sdpa_call(q, k, v, scale, q_len, kv_len)
         lams = [0.0] + [grid[i] for i in picks]
-        outs = [torch.empty_like(args[0]) for _ in lams]
+        outs = [torch.empty_like(args.query) for _ in lams]
         lam_t = [torch.full((n_seqs,), lam, dtype=torch.float32, device=device) for lam in lams]
+        bounded, spec = dataclasses.replace(args, max_query_len=q_len), LayerSpec(scale)
 
         def ours(j):
-            return lambda: paged_attention(*args, scale=scale, threshold=lam_t[j], out=outs[j], impl="triton",
-                                           check=False, max_query_len=q_len)
+            return lambda: paged_attention(bounded, spec, threshold=lam_t[j], out=outs[j], impl="triton",
+                                           check=False)
         fns = [ours(j) for j in range(len(lams))]
         mode = "eager"
         if device == "cuda":
@@ -331,6 +347,10 @@ def main(argv=None):
                         "sparsity 0/50/70/90%%, vs torch SDPA)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                    help="default: fp32 on cpu, bf16 on cuda")
+    p.add_argument("--impl", choices=("auto", "torch", "compiled"), default="auto",
+                   help="cpu: which CPU kernel (default auto: sparse_attn.kernels.api.cpu_kernel's rule)")
+    p.add_argument("--layout", choices=("contiguous", "cpu-packed"), default="contiguous",
+                   help="cpu cases: cache layout (cpu-packed = vLLM's CPU cache, K dim-major; use --page-size 128)")
     p.add_argument("--hq", type=int, default=8, help="query heads (cpu cases)")
     p.add_argument("--hkv", type=int, default=2, help="KV heads (cpu cases)")
     p.add_argument("--head-dim", type=int, default=128, help="head size (cpu cases)")
@@ -369,7 +389,7 @@ def main(argv=None):
             ("small-decode", 16, 512, 1, 4, 2, 32), ("small-prefill", 1, 2048, 2048, 4, 2, 32)]
     if keep:
         cfgs = [c for c in cfgs if c[0] in keep]
-    print(f"device={a.device} dtype={a.dtype} page={a.page_size} TILE_Q={TILE_Q} TILE_K={TILE_K} "
+    print(f"device={a.device} impl={a.impl} layout={a.layout} dtype={a.dtype} page={a.page_size} TILE_Q={TILE_Q} TILE_K={TILE_K} "
           f"SPLIT_K={SPLIT_K} threads={torch.get_num_threads()} load={os.getloadavg()[0]:.1f}\n")
     head = ["case", "seqs", "kv", "q", "Hq/Hkv/D", "lambda", "tile sparsity", "dense ms", "skip ms", "speedup",
             "SDPA ms", "dense/SDPA", "max abs err"]

@@ -59,8 +59,12 @@ def skip_softmax_section(prefill_ab, decode_ab, targets: tuple[float, float]) ->
 def with_section(base: Path, dest: Path, section: dict | None) -> Path:
     if dest.exists():
         shutil.rmtree(dest)
-    shutil.copytree(base, dest)
-    config = json.loads((dest / "config.json").read_text())
+    # Symlinked files: a real model's weights are hundreds of MB; only config.json differs.
+    dest.mkdir(parents=True)
+    for f in base.iterdir():
+        if f.name != "config.json" and f.is_file():
+            (dest / f.name).symlink_to(f.resolve())
+    config = json.loads((base / "config.json").read_text())
     config.pop("sparse_attention_config", None)
     if section is not None:
         config["sparse_attention_config"] = section
@@ -151,6 +155,8 @@ def child(args) -> int:
 # ----------------------------------------------------------------------------- parent
 
 def build_model(args, workdir: Path) -> Path:
+    if args.model:  # a real checkpoint (e.g. `sparse-attn model get smollm2-135m-instruct DIR`)
+        return Path(args.model)
     from sparse_attn.demo.tiny_model import build_tiny_llama
 
     return Path(build_tiny_llama(workdir / "base", seed=args.seed, num_layers=args.layers, hidden=args.hidden,
@@ -198,6 +204,9 @@ def main() -> int:
     ap.add_argument("--prompts", choices=("tasks", "text"), default="tasks",
                     help="prompt kind: the project's synthetic long-context tasks (default) or plain running text")
     ap.add_argument("--repeats", type=int, default=2, help="timed (prefill, full) pairs per config; medians (default 2)")
+    ap.add_argument("--model", default=None, metavar="DIR",
+                    help="a Hugging Face checkpoint to serve instead of the tiny model (its config.json is copied per "
+                         "config with the section replaced; the weights are linked, not copied)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--heads", type=int, default=8)
@@ -311,8 +320,7 @@ def main() -> int:
         f"Load average (1/5/15 min) before: {'/'.join(f'{x:.1f}' for x in load_before)}, "
         f"after: {'/'.join(f'{x:.1f}' for x in load_after)}; per engine at its end: "
         + ", ".join(f"{n} {'/'.join(f'{x:.1f}' for x in r['load_during'])}" for n, r in results.items()) + ".",
-        f"Model: tiny structured Llama, {args.layers} layers, hidden {args.hidden}, {args.heads} heads / {args.kv_heads} KV heads, "
-        f"head_dim {args.head_dim}, fp32. Workload: N={args.num_seqs} sequences, {args.prompts} prompts of <= {args.prompt_len} tokens "
+        f"Model: {_describe_model(args, base)}. Workload: N={args.num_seqs} sequences, {args.prompts} prompts of <= {args.prompt_len} tokens "
         f"({'/'.join(str(r['prompt_tokens']) for r in results.values())} prompt tokens in all), "
         f"M={args.decode_tokens} decode tokens each; {args.repeats} repeats; max_num_batched_tokens {args.max_num_batched_tokens}.",
         f"plugin-sparse: target prefill {args.prefill_target} / decode {args.decode_target}, prefill a/b {prefill_ab[0]:.4g}/{prefill_ab[1]:.4g}, decode a/b {decode_ab[0]:.4g}/{decode_ab[1]:.4g}"
@@ -331,6 +339,16 @@ def main() -> int:
                                       + ("\n" + keep if keep else ""))
         print(f"wrote {args.results}")
     return 0
+
+
+def _describe_model(args, base: Path) -> str:
+    if not args.model:
+        return (f"tiny structured Llama, {args.layers} layers, hidden {args.hidden}, {args.heads} heads / {args.kv_heads} "
+                f"KV heads, head_dim {args.head_dim}, fp32")
+    cfg = json.loads((base / "config.json").read_text())
+    heads = cfg.get("num_attention_heads")
+    return (f"{base.name} ({cfg.get('model_type')}, {cfg.get('num_hidden_layers')} layers, {heads} heads / "
+            f"{cfg.get('num_key_value_heads', heads)} KV heads, head_dim {cfg.get('head_dim')}, served in fp32)")
 
 
 def _cpu_name() -> str:

@@ -28,6 +28,7 @@ skips the graph capture (saying so), so CI keeps the script alive.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -44,7 +45,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from sparse_attn.kernels import SPLIT_K, TILE_K, paged_attention, paged_attention_counts  # noqa: E402
+from sparse_attn.kernels import SPLIT_K, TILE_K, LayerSpec, PagedBatch, paged_attention, paged_attention_counts  # noqa: E402
 from tests.sparse_attn.kernel_reference import add_sink, make_batch, reference  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -69,7 +70,8 @@ DRY_LAMS = [0.0, 0.4]
 
 
 def _to(batch, device):
-    return tuple(t.to(device) for t in batch)
+    return dataclasses.replace(batch, **{f: getattr(batch, f).to(device) for f in (
+        "query", "key_cache", "value_cache", "block_table", "seq_lens", "query_start_loc")})
 
 
 def check_kernels(device, cases, log, lams=LAMS):
@@ -81,13 +83,14 @@ def check_kernels(device, cases, log, lams=LAMS):
             batch = add_sink(make_batch(kv_lens, q_lens, hq, hkv, d, page, layout=layout, dtype=dt, seed=41))
             rule = {} if split_k is None else {"split_k": split_k}
             scale = 2.0 * d ** -0.5
-            ref0, _, ref_vis, ref_thr = reference(*batch, scale, thresholds=lams, **rule)
+            ref0, _, ref_vis, ref_thr = reference(batch, scale, thresholds=lams, **rule)
             args = _to(batch, device)
             r = dict(case=name, dtype=dname, split_k=split_k or SPLIT_K, checks={})
-            out0 = paged_attention(*args, scale=scale, impl="triton", **rule).cpu().double()
+            spec = LayerSpec(scale)
+            out0 = paged_attention(args, spec, impl="triton", **rule).cpu().double()
             r["dense_max_err"] = (out0 - ref0).abs().max().item()
             r["checks"]["dense_equals_float64_reference"] = r["dense_max_err"] <= TOL[dname] * (1 + ref0.abs().max().item())
-            out_c, skipped, vis = paged_attention_counts(*args, lams, scale=scale, impl="triton", **rule)
+            out_c, skipped, vis = paged_attention_counts(args, spec, lams, impl="triton", **rule)
             skipped, vis = skipped.cpu(), vis.cpu()
             r["checks"]["visited_equals_reference"] = vis.tolist() == ref_vis.tolist()
             r["skipped_per_lambda"] = skipped.sum(1).tolist()
@@ -95,11 +98,10 @@ def check_kernels(device, cases, log, lams=LAMS):
             r["count_tiles_differing_from_reference"] = int((skipped - ref_thr).abs().sum())
             serve_ok, sparse_err = True, 0.0
             for j, lam in enumerate(lams):
-                o, sk, _ = paged_attention(*args, scale=scale, threshold=lam, impl="triton", return_counts=True,
-                                           **rule)
+                o, sk, _ = paged_attention(args, spec, threshold=lam, impl="triton", return_counts=True, **rule)
                 serve_ok &= sk.cpu().tolist() == skipped[j].tolist()
                 if j == len(lams) - 1:
-                    ref_l = reference(*batch, scale, lam=lam, **rule)[0]
+                    ref_l = reference(batch, scale, lam=lam, **rule)[0]
                     sparse_err = (o.cpu().double() - ref_l).abs().max().item()
             r["checks"]["counts_equal_serving_skips"] = serve_ok
             r["sparse_max_err"] = sparse_err
@@ -156,11 +158,11 @@ def check_graph(device, dry_run, log, sizes=(32, 8, 128, 16, 256, 8)):
     qsl = torch.arange(num_seqs + 1, dtype=torch.int32, device=device)
     q_static = query.clone()
     out_static = torch.empty_like(query)
-    scale = d ** -0.5
+    spec = LayerSpec(d ** -0.5)
+    batch = PagedBatch(q_static, kc, vc, block_table, seq_lens, qsl, max_query_len=1)
 
     def call():
-        return paged_attention(q_static, kc, vc, block_table, seq_lens, qsl, scale=scale, threshold=lam_d,
-                               return_counts=True, max_query_len=1, check=False, out=out_static)
+        return paged_attention(batch, spec, threshold=lam_d, return_counts=True, check=False, out=out_static)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -179,10 +181,8 @@ def check_graph(device, dry_run, log, sizes=(32, 8, 128, 16, 256, 8)):
             q_static.copy_(torch.randn(q_static.shape, generator=g).to(dtype))
         graph.replay()
         torch.cuda.synchronize()
-        eager_u = paged_attention(q_static, kc, vc, block_table, seq_lens, qsl, scale=scale, threshold=lam_d,
-                                  return_counts=True, max_query_len=1, check=False)
-        eager_c = paged_attention(q_static, kc, vc, block_table, seq_lens, qsl, scale=scale, threshold=lam.tolist(),
-                                  return_counts=True)
+        eager_u = paged_attention(batch, spec, threshold=lam_d, return_counts=True, check=False)
+        eager_c = paged_attention(batch, spec, threshold=lam.tolist(), return_counts=True)
         rec = dict(step=step, kv_lens=lens.tolist(),
                    equal_to_eager_unchecked=bool(torch.equal(out_static, eager_u[0])
                                                  and torch.equal(sk_static, eager_u[1])

@@ -32,6 +32,8 @@ LAYOUT_NAMES: tuple[str, ...] = tuple(layout.value for layout in KVLayout)
 WRITER_CHOICES: tuple[str, ...] = ("auto", "vllm", "adapter")
 #: ``SPARSE_ATTN_CUDAGRAPH`` values (``compat.graphs.ENV_CAPS``).
 CUDAGRAPH_CHOICES: tuple[str, ...] = ("auto", "decode", "never")
+#: ``SPARSE_ATTN_CPU_KERNEL`` values (``sparse_attn.kernels.api.cpu_kernel`` applies them).
+CPU_KERNEL_CHOICES: tuple[str, ...] = ("auto", "compiled", "torch")
 #: Spellings ``_parse_flag`` accepts.
 FLAG_TRUE: tuple[str, ...] = ("1", "true", "yes", "on")
 FLAG_FALSE: tuple[str, ...] = ("0", "false", "no", "off")
@@ -113,6 +115,16 @@ def _parse_cudagraph(raw: str, var: EnvVar) -> str:
     return value
 
 
+def _parse_cpu_kernel(raw: str, var: EnvVar) -> str:
+    value = raw.strip().lower()
+    _check_choice(var, value, CPU_KERNEL_CHOICES)
+    return value
+
+
+def _parse_path(raw: str, var: EnvVar) -> str:
+    return raw.strip()
+
+
 def _parse_flag(raw: str, var: EnvVar) -> bool:
     value = raw.strip().lower()
     if value in FLAG_TRUE:
@@ -159,7 +171,8 @@ def _check_choice(var: EnvVar, value: str, choices: tuple[str, ...], what: str =
     if value not in choices:
         raise InvalidOverrideError(
             f"{var.name}: {what} {shown(value)} is not valid. Valid {what}s: {', '.join(choices)}. "
-            f"Fix: set {var.name} to one of them, or unset it to let compat probe vLLM."
+            f"Fix: set {var.name} to one of them, or unset it for the default"
+            + (f" ({var.default!r})." if var.default else " (let compat probe vLLM).")
         )
 
 
@@ -198,6 +211,27 @@ REGISTRY: dict[str, EnvVar] = {
             ),
             parse=_parse_cudagraph,
             choices=", ".join(CUDAGRAPH_CHOICES),
+        ),
+        EnvVar(
+            name="SPARSE_ATTN_CPU_KERNEL",
+            default="auto",
+            doc=(
+                "Which skip-softmax kernel serves CPU tensors: `compiled` (the C++ kernel, compiled on first use; "
+                "a failed build is an error), `torch` (the pure-torch kernel), or `auto` (the compiled kernel when it "
+                "builds here, else the torch kernel with one warning line)."
+            ),
+            parse=_parse_cpu_kernel,
+            choices=", ".join(CPU_KERNEL_CHOICES),
+        ),
+        EnvVar(
+            name="SPARSE_ATTN_CPU_KERNEL_CACHE",
+            default="",
+            doc=(
+                "Directory of the compiled CPU kernel's build cache (one library per source hash, torch version "
+                "and ISA); default `$XDG_CACHE_HOME/sparse-attn`, i.e. `~/.cache/sparse-attn`."
+            ),
+            parse=_parse_path,
+            choices="a directory path",
         ),
         EnvVar(
             name="SPARSE_ATTN_DISABLE",

@@ -39,7 +39,7 @@ import torch
 import compat
 from compat import model as cmodel
 from compat import worker as cworker
-from sparse_attn.kernels import paged_attention, paged_attention_counts
+from sparse_attn.kernels import LayerSpec, PagedBatch, effective_lambda, paged_attention, paged_attention_counts
 from sparse_attn.protocol import PHASES
 from sparse_attn.stats import DEVICE_COUNTER_INDEX, STATS, WorkerStats
 
@@ -63,16 +63,8 @@ class Policy:
     stats_interval_s: float = 60.0
 
     def lambda_for(self, phase: str, kv_len: int) -> float | None:
-        """Host lambda of one sequence, or ``None`` (dense). lambda >= 1 would skip
-        every tile whose max is below the running max: no calibrated config asks for
-        that, so such a sequence stays dense."""
-        scale = self.scale_factors.get(phase)
-        if scale is None or kv_len <= 0:
-            return None
-        lam = scale / kv_len
-        if lam <= 0 or lam >= 1:
-            return None
-        return lam
+        """Host lambda of one sequence, or ``None`` (dense: ``kernels.effective_lambda``)."""
+        return effective_lambda(self.scale_factors.get(phase), kv_len) or None
 
 
 def make_sparse(layer: Any, info: cmodel.LayerInfo, policy: Policy, stats: WorkerStats = STATS) -> Any:
@@ -129,14 +121,12 @@ class SparseAttentionMixin:
         self._sa_stats.count_call()
         q, out, key_cache, value_cache = self._views(call, batch, check=False)
         scale = float(self._sa_policy.scale_factors[DECODE])
-        # float64 division as on the host path (scale / kv_len), then fp32 as the kernel compares.
-        lam = scale / batch.seq_lens.to(torch.float64)
-        dense = (lam >= 1) | ~(lam > 0) | ~batch.decode_mask()  # also kv_len 0 (inf) and q_len 0
-        lam = torch.where(dense, torch.zeros_like(lam), lam).to(torch.float32)
+        lam = effective_lambda(scale, batch.seq_lens)  # the host path's rule, on the device
+        lam = torch.where(batch.decode_mask(), lam, torch.zeros_like(lam))  # q_len 0: dense (nothing to do)
         result, skipped, visited = paged_attention(
-            q, key_cache, value_cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
-            scale=self._sa_info.scale, threshold=lam, return_counts=True, out=out,
-            max_query_len=int(batch.max_query_len), check=False,
+            PagedBatch(q, key_cache, value_cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
+                       max_query_len=int(batch.max_query_len)),
+            LayerSpec(self._sa_info.scale), threshold=lam, return_counts=True, out=out, check=False,
         )
         # A launch whose every lambda is 0 counts as dense (as the eager path does); otherwise
         # as one sparse launch with its tiles. Computed on the device, read by snapshot().
@@ -183,12 +173,13 @@ class SparseAttentionMixin:
             rows, block_table, seq_lens, query_start_loc = _select(batch, starts, seqs)
             phase_lambdas = [lambdas[s] or 0.0 for s in seqs]  # 0 = dense for that sequence
             if not any(phase_lambdas):
-                out[rows] = paged_attention(q[rows], key_cache, value_cache, block_table, seq_lens, query_start_loc, scale=self._sa_info.scale)
+                out[rows] = paged_attention(PagedBatch(q[rows], key_cache, value_cache, block_table, seq_lens, query_start_loc),
+                                            LayerSpec(self._sa_info.scale))
                 self._sa_stats.add_dense(phase)
                 continue
             result, skipped, visited = paged_attention(
-                q[rows], key_cache, value_cache, block_table, seq_lens, query_start_loc,
-                scale=self._sa_info.scale, threshold=phase_lambdas, return_counts=True,
+                PagedBatch(q[rows], key_cache, value_cache, block_table, seq_lens, query_start_loc),
+                LayerSpec(self._sa_info.scale), threshold=phase_lambdas, return_counts=True,
             )
             out[rows] = result
             self._sa_stats.add(phase, int(skipped.sum()), int(visited.sum()))
@@ -197,13 +188,14 @@ class SparseAttentionMixin:
 
     def _count(self, phase, q, out, key_cache, value_cache, batch, starts, seqs, kv_len) -> None:
         rows, block_table, seq_lens, query_start_loc = _select(batch, starts, seqs)
-        candidates = [scale / kv_len for scale in self._sa_policy.calibration_scales]
+        candidates = [effective_lambda(scale, kv_len) for scale in self._sa_policy.calibration_scales]
         result, skipped, visited = paged_attention_counts(
-            q[rows], key_cache, value_cache, block_table, seq_lens, query_start_loc, candidates, scale=self._sa_info.scale
+            PagedBatch(q[rows], key_cache, value_cache, block_table, seq_lens, query_start_loc),
+            LayerSpec(self._sa_info.scale), candidates,
         )
         out[rows] = result
-        # Serving runs dense where lambda >= 1, so those candidates have no data at this length.
-        usable = [lam < 1.0 for lam in candidates]
+        # Serving runs dense where lambda >= 1 (effective lambda 0), so those candidates have no data here.
+        usable = [lam > 0 for lam in candidates]
         tiles = int(visited.sum())
         self._sa_stats.add_candidates(
             phase,

@@ -22,6 +22,7 @@ from compat import worker as cworker
 from sparse_attn.adapter import Policy, make_sparse
 from sparse_attn.config import SECTION_KEY, SparseAttentionConfig, StartupRefused, startup_notes
 from sparse_attn.kernels import support
+from sparse_attn.kernels import cpu_impl
 from sparse_attn.protocol import CALIBRATION_ENV, PHASES, STATS_RPC
 from sparse_attn.stats import STATS
 
@@ -167,15 +168,24 @@ def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, ra
         "sparse_features": features,
         "native": reasons,
         "cuda_graphs": {b: d.describe() for b, d in graphs.installed().items() if b in backends},
+        # Which skip-softmax kernel runs the CPU layers (built or loaded here, once per worker).
+        "cpu_kernel": cpu_impl.describe() if installed and _on_cpu(model) else None,
     }
     STATS.set_install(summary, tuple(sorted(owners)))
     logger.info(
         "sparse-attn[rank %d]: %d/%d attention layers sparse, backend %s, layout %s, cache writer %s, mode %s, "
-        "targets %s, features %s%s",
+        "targets %s, features %s%s%s",
         rank, installed, len(layers), ",".join(summary["backends"]) or "-", summary["layout"], summary["cache_writer"],
         summary["mode"], summary["targets"], features or "-", f", native: {reasons}" if reasons else "",
+        f", CPU kernel {summary['cpu_kernel']}" if summary["cpu_kernel"] else "",
     )
     return summary
+
+
+def _on_cpu(model: Any) -> bool:
+    """True when the model's weights live on the CPU (its attention then runs a CPU kernel)."""
+    param = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
+    return param is not None and param.device.type == "cpu"
 
 
 def uninstall(model: Any) -> int:

@@ -1,11 +1,16 @@
 """Skip-softmax (BLASST) paged attention kernels: a torch CPU implementation and a Triton
-GPU kernel with the same tile geometry and skip rule.
+GPU kernel with the same tile geometry and skip rule (:mod:`._common`).
 
-Kernels take logical ``[num_blocks, page_size, Hkv, D]`` K/V cache views with arbitrary
-strides and never look at vLLM versions or cache layouts.
+Kernels take a :class:`PagedBatch` (queries, logical ``[num_blocks, page_size, Hkv, D]``
+K/V cache views with arbitrary strides, the block table and lengths, optionally their
+host copy) and a :class:`LayerSpec` (what the layer computes), and never look at vLLM
+versions or cache layouts.
 """
 
 from ._common import SPLIT_K, TILE_K, TILE_Q
 from .api import paged_attention, paged_attention_counts
+from .batch import BatchMeta, LayerSpec, PagedBatch
+from .checks import effective_lambda
 
-__all__ = ["SPLIT_K", "TILE_K", "TILE_Q", "paged_attention", "paged_attention_counts"]
+__all__ = ["SPLIT_K", "TILE_K", "TILE_Q", "BatchMeta", "LayerSpec", "PagedBatch", "effective_lambda",
+           "paged_attention", "paged_attention_counts"]

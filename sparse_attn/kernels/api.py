@@ -1,4 +1,19 @@
-"""Public entry points: validation, backend choice, output allocation."""
+"""Public entry points: validation, backend choice, output allocation.
+
+Backend contract (every implementation module, torch, Triton and the C++ CPU kernel,
+has this one function)::
+
+    forward(batch: PagedBatch, spec: LayerSpec, meta: BatchMeta | None, *,
+            threshold: Tensor,               # float32 [S] on the query's device, 0 = dense
+            count_thresholds: Tensor | None, # float32 [n, S] candidates, or None
+            out: Tensor,                     # [T, Hq, D], the query's dtype, filled in place
+            split_k: int,                    # KV positions per split of the rule
+            ) -> (out, skipped int64 [n, Hq] | None, visited int64 [Hq] | None)
+
+``meta`` is the host copy of the batch (``None`` only on the Triton capture path); the
+counts are ``None`` when ``count_thresholds`` is.  Arguments arrive validated (or
+``check=False``: the caller vouches for them); ``T > 0``.
+"""
 
 from __future__ import annotations
 
@@ -6,203 +21,137 @@ from typing import Sequence
 
 import torch
 
-from . import torch_impl
-from ._common import BatchMeta, check_seq_threshold, check_split, check_thresholds, validate
+from . import cpu_impl, torch_impl
+from .batch import BatchMeta, LayerSpec, PagedBatch
+from .checks import CHECKS, check_split, fail, lambdas, validate
 
-_IMPLS = ("auto", "torch", "triton")
-#: ``count_thresholds`` marker of ``paged_attention(return_counts=True)``: count under the serving lambda.
-_SERVING = object()
+_IMPLS = ("auto", "torch", "compiled", "triton")
 
 
-def _backend(impl: str, query: torch.Tensor) -> str:
+def _backend(impl: str, batch: PagedBatch):
     if impl not in _IMPLS:
-        raise ValueError(f"paged_attention: impl: got {impl!r}, expected one of {_IMPLS}")
-    if impl == "auto":
-        return "triton" if query.device.type == "cuda" else "torch"
-    if impl == "torch" and query.device.type != "cpu":
-        raise ValueError(f"paged_attention: impl='torch' needs CPU tensors, got device {query.device}")
-    return impl
+        fail("impl (the implementation)", repr(impl), f"one of {_IMPLS}")
+    device = batch.query.device if isinstance(batch, PagedBatch) and isinstance(batch.query, torch.Tensor) else None
+    if impl == "auto":  # CPU tensors: the one rule of cpu_impl.cpu_kernel (env, availability, shapes)
+        impl = "triton" if device is not None and device.type == "cuda" else cpu_impl.cpu_kernel(batch)
+    if impl in ("torch", "compiled"):
+        if device is not None and device.type != "cpu":
+            fail(f"impl={impl!r} needs CPU tensors", f"device {device}", "impl='triton' (or 'auto') on a GPU")
+        if impl == "compiled":
+            cpu_impl.require(batch)
+            return cpu_impl
+        return torch_impl
+    from . import triton_impl  # lazily: triton is optional, and tests set TRITON_INTERPRET first
+
+    return triton_impl
 
 
-def _unchecked_lambda(threshold, num_seqs: int, device) -> float | torch.Tensor:
-    """Serving lambda without reading device data: a float, or a float32 ``[S]`` tensor on
-    ``device`` (a 0-d tensor is expanded).  Values are the caller's responsibility."""
-    if isinstance(threshold, torch.Tensor):
-        if threshold.dim() == 0:
-            threshold = threshold.expand(num_seqs)
-        if tuple(threshold.shape) != (num_seqs,):
-            raise ValueError(f"paged_attention: threshold shape: got {tuple(threshold.shape)}, expected "
-                             f"[num_seqs] = [{num_seqs}] (check=False takes a float or a float32 [S] tensor)")
-        return threshold.to(device, torch.float32)
-    return check_seq_threshold(threshold, num_seqs)
-
-
-def _host_meta(query, key_cache, seq_lens, query_start_loc) -> BatchMeta:
-    """The batch on the host without validation (CPU tensors only: reading them is no sync)."""
-    qsl = query_start_loc.tolist()
-    return BatchMeta(seq_lens.tolist(), qsl[:-1], [b - a for a, b in zip(qsl[:-1], qsl[1:])],
-                     query.shape[1], key_cache.shape[2], query.shape[2], key_cache.shape[1])
-
-
-def _run(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale, causal, out, impl,
-         threshold, count_thresholds, split_k=None, check=True, max_query_len=None):
-    """``threshold``: serving lambda as given by the caller; ``count_thresholds``: ``None``,
-    ``_SERVING`` (count under the serving lambda) or the caller's candidate lambdas.
-    ``check=False``: no validation and no host read of device data (capture-safe)."""
+def _run(batch: PagedBatch, spec: LayerSpec, threshold, candidates, count: bool, out, impl, split_k, check):
+    """Serving (``candidates is None``: ``threshold`` applied, counted under it when
+    ``count``) or counting mode (the caller's candidate lambdas, nothing skipped)."""
     split_k = check_split(split_k)
-    backend = _backend(impl, query)
-    if not check:
-        num_seqs = seq_lens.shape[0]
-        lam = _unchecked_lambda(threshold, num_seqs, query.device)
-        if count_thresholds is _SERVING:
-            count_thresholds = lam[None, :] if isinstance(lam, torch.Tensor) \
-                else torch.full((1, num_seqs), lam, dtype=torch.float32, device=query.device)
-        if out is None:
-            out = torch.empty_like(query, memory_format=torch.contiguous_format)
-        if query.shape[0] == 0:
-            n = count_thresholds.shape[0] if count_thresholds is not None else 0
-            return out, torch.zeros(n, query.shape[1], dtype=torch.int64, device=query.device), \
-                torch.zeros(query.shape[1], dtype=torch.int64, device=query.device)
-        if backend == "torch":
-            meta = _host_meta(query, key_cache, seq_lens, query_start_loc)
-            return torch_impl.forward(query, key_cache, value_cache, block_table, meta, scale=float(scale),
-                                      causal=causal, threshold=lam, count_thresholds=count_thresholds, out=out,
-                                      split_k=split_k)
-        from . import triton_impl
-
-        return triton_impl.forward(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, None,
-                                   scale=float(scale), causal=causal, threshold=lam,
-                                   count_thresholds=count_thresholds, out=out, split_k=split_k,
-                                   max_query_len=max_query_len)
-    meta = validate(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale, out)
-    num_seqs = len(meta.seq_lens)
-    if count_thresholds is None or count_thresholds is _SERVING:
-        lam = check_seq_threshold(threshold, num_seqs)
-        if count_thresholds is _SERVING:
-            count_thresholds = lam[None, :] if isinstance(lam, torch.Tensor) \
-                else torch.full((1, num_seqs), lam, dtype=torch.float32)
-        threshold = lam
+    backend = _backend(impl, batch)
+    if check not in CHECKS:
+        fail("check", repr(check), "True, False or 'full'")
+    if check:
+        meta = validate(batch, spec, out, check)
     else:
-        count_thresholds = check_thresholds(count_thresholds, num_seqs)
-        threshold = 0.0
+        meta = batch.host
+        if meta is None and backend is torch_impl:   # host tensors: reading them is no sync (cpu_impl reads them itself)
+            meta = BatchMeta.from_host(batch.seq_lens, batch.query_start_loc)
+    reads_device = check == "full" or (bool(check) and batch.host is None)
+    num_seqs, dev = batch.num_seqs, batch.query.device
+    if candidates is None:
+        lam = lambdas(threshold, num_seqs, reads_device=reads_device, device=dev)
+        count_thresholds = lam[None, :] if count else None
+    else:
+        count_thresholds = lambdas(candidates, num_seqs, candidates=True, reads_device=reads_device, device=dev)
+        lam = torch.zeros(num_seqs, dtype=torch.float32, device=dev)
     if out is None:
-        out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    if query.shape[0] == 0:
-        hq = query.shape[1]
+        out = torch.empty_like(batch.query, memory_format=torch.contiguous_format)
+    if batch.query.shape[0] == 0:
         n = count_thresholds.shape[0] if count_thresholds is not None else 0
-        return out, torch.zeros(n, hq, dtype=torch.int64, device=query.device), \
-            torch.zeros(hq, dtype=torch.int64, device=query.device)
-    if backend == "torch":
-        return torch_impl.forward(query, key_cache, value_cache, block_table, meta, scale=float(scale),
-                                  causal=causal, threshold=threshold, count_thresholds=count_thresholds, out=out,
-                                  split_k=split_k)
-    from . import triton_impl  # imported lazily: triton is optional, and tests set TRITON_INTERPRET first
-
-    return triton_impl.forward(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, meta,
-                               scale=float(scale), causal=causal, threshold=threshold,
-                               count_thresholds=count_thresholds, out=out, split_k=split_k)
+        hq = batch.num_q_heads
+        return out, torch.zeros(n, hq, dtype=torch.int64, device=dev), torch.zeros(hq, dtype=torch.int64, device=dev)
+    return backend.forward(batch, spec, meta, threshold=lam, count_thresholds=count_thresholds, out=out,
+                           split_k=split_k)
 
 
 def paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
+    batch: PagedBatch,
+    spec: LayerSpec,
     *,
-    scale: float,
-    threshold: float | None = None,
-    causal: bool = True,
+    threshold: float | Sequence[float] | torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     impl: str = "auto",
     return_counts: bool = False,
     split_k: int | None = None,
-    max_query_len: int | None = None,
-    check: bool = True,
+    check: bool | str = True,
 ):
     """Varlen paged attention with skip-softmax (BLASST) tile skipping.
 
     Args:
-        query: ``[T, Hq, D]``, the query tokens of all sequences concatenated.
-        key_cache, value_cache: logical ``[num_blocks, page_size, Hkv, D]`` views with any
-            strides (read in place through the block table, never made contiguous).
-        block_table: ``[S, max_blocks]`` int32/int64, cache block ids per sequence.
-        seq_lens: ``[S]`` KV length per sequence in tokens, including this step's tokens
-            (already written to the cache).
-        query_start_loc: ``[S + 1]`` cumulative query offsets; sequence ``s`` owns query
-            rows ``query_start_loc[s]:query_start_loc[s+1]``, which are its LAST
-            ``q_len`` KV positions (query row ``i`` is at position ``kv_len - q_len + i``).
-        scale: softmax scale applied to ``q . k``.
+        batch: the queries and the paged KV cache (:class:`PagedBatch`: shapes there).
+        spec: the layer (:class:`LayerSpec`: softmax scale, causal mask).
         threshold: lambda, a runtime value: ``None`` or a float (the same lambda for every
-            sequence) or a 1-D list/tensor of ``S`` floats (one lambda per sequence, e.g.
-            ``scale / kv_len``).  Each lambda must be finite and >= 0; ``None`` or 0 means
-            dense (for that sequence).  A KV tile is skipped when
+            sequence) or ``S`` floats (a list or a 1-D tensor: one lambda per sequence,
+            e.g. :func:`effective_lambda`).  Each lambda must be finite and >= 0; ``None``
+            or 0 means dense (for that sequence).  A KV tile is skipped when
             ``exp(tile_max - running_max) < lambda`` for every valid row of the query tile
             (exact rule in :mod:`sparse_attn.kernels._common`).  Lambdas are compared in
             fp32; new values never recompile the Triton kernel.
-        causal: mask KV positions after each query's position.
         out: optional ``[T, Hq, D]`` output buffer of the query's dtype.
-        impl: ``"auto"`` (Triton for CUDA tensors, torch otherwise), ``"torch"``, ``"triton"``.
+        impl: ``"auto"`` (Triton for CUDA tensors; for CPU tensors the kernel
+            :func:`cpu_impl.cpu_kernel` picks), ``"torch"``, ``"compiled"`` (the C++ CPU
+            kernel), ``"triton"``.
         return_counts: also return per-head tile counts.
         split_k: KV positions per split of the skip rule (``None`` = ``SPLIT_K``; a
             multiple of ``TILE_K``).  The dense running max restarts from KV tile 0's
             maxima at every split after the first, so counts depend on it: calibrate
             with the value you serve with.
-        max_query_len: host int, an upper bound on every sequence's query length; only
-            read with ``check=False`` (default: the number of query tokens).  1 selects
-            the split-KV decode launch.
-        check: ``True`` validates every argument (one device->host copy of
-            ``seq_lens`` / ``query_start_loc`` and a block-table reduction).  ``False`` is
-            the capture-safe path for CUDA graphs: no validation and no host read of
-            device data; ``threshold`` must be a float or a float32 ``[S]`` tensor (finite,
-            >= 0: not checked), the grid is sized from shapes and host ints (KV bound
-            ``block_table.shape[1] * page_size``, query bound ``max_query_len``), the
-            arguments must satisfy everything ``check=True`` verifies, and the counts
-            stay device tensors.
+        check: ``True`` validates every argument; with ``batch.host`` that reads no device
+            data, without it ``seq_lens`` / ``query_start_loc`` are copied to the host once
+            and every used block id is checked (a device reduction).  ``"full"`` adds the
+            block-id check (and reads a device ``threshold``) even with ``batch.host``.
+            ``False`` is the capture-safe path for CUDA graphs: nothing is validated and no
+            device data is read on the host; ``threshold`` must be a float or a float32
+            ``[S]`` device tensor (finite, >= 0: not checked), the grid is sized from
+            shapes and host ints (``batch.host`` if given, else ``batch.max_query_len``
+            and the block table's width), and the counts stay device tensors.
 
     Returns:
         ``out`` ``[T, Hq, D]`` in the query dtype (fp32 accumulation), or with
         ``return_counts`` ``(out, skipped, visited)``, both int64 ``[Hq]`` tile counts.
     """
-    out, skipped, visited = _run(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale,
-                                 causal, out, impl, threshold, _SERVING if return_counts else None,
-                                 split_k=split_k, check=check, max_query_len=max_query_len)
+    out, skipped, visited = _run(batch, spec, threshold, None, return_counts, out, impl, split_k, check)
     if return_counts:
         return out, skipped[0], visited
     return out
 
 
 def paged_attention_counts(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    thresholds: Sequence[float] | torch.Tensor,
+    batch: PagedBatch,
+    spec: LayerSpec,
+    thresholds: Sequence[float] | Sequence[Sequence[float]] | torch.Tensor,
     *,
-    scale: float,
-    causal: bool = True,
     out: torch.Tensor | None = None,
     impl: str = "auto",
     split_k: int | None = None,
+    check: bool | str = True,
 ):
     """Calibration pass: dense attention plus skip counts for many candidate lambdas.
 
     Arguments as :func:`paged_attention` (``split_k`` must be the value served with);
-    ``thresholds`` is either a list or 1-D tensor of
-    ``n`` candidate lambdas (the same for every sequence) or a 2-D ``[n, S]`` list/tensor
-    (candidate ``j``'s lambda for sequence ``s``); each finite, >= 0.  Nothing is skipped.
-    ``skipped[j, h]`` counts the visited KV tiles of query head ``h`` (over all query tiles
-    and sequences) that are skippable under candidate ``j``; with the dense running max
-    this is exactly the number of tiles ``paged_attention(..., threshold=thresholds[j])``
-    skips.
+    ``thresholds`` is either ``n`` candidate lambdas (a list or 1-D tensor, the same for
+    every sequence) or ``[n, S]`` (candidate ``j``'s lambda for sequence ``s``); each
+    finite, >= 0.  Nothing is skipped.  ``skipped[j, h]`` counts the visited KV tiles of
+    query head ``h`` (over all query tiles and sequences) that are skippable under
+    candidate ``j``; with the dense running max this is exactly the number of tiles
+    ``paged_attention(..., threshold=thresholds[j])`` skips.
 
     Returns:
         ``(out, skipped, visited)``: ``out`` ``[T, Hq, D]`` dense output in the query
         dtype, ``skipped`` int64 ``[n, Hq]``, ``visited`` int64 ``[Hq]`` (independent of
         lambda).
     """
-    return _run(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale, causal, out, impl,
-                0.0, thresholds, split_k=split_k)
+    return _run(batch, spec, None, thresholds, True, out, impl, split_k, check)

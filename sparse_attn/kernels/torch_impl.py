@@ -30,7 +30,8 @@ import threading
 
 import torch
 
-from ._common import SPLIT_K, TILE_K, TILE_Q, BatchMeta
+from ._common import SPLIT_K, TILE_K, TILE_Q, next_pow2
+from .batch import BatchMeta, LayerSpec, PagedBatch
 
 # Chunk sizing, in elements per chunk.  Scores are a fresh tensor per chunk: 2**22 fp32
 # (16 MiB) stays below glibc's largest mmap threshold, so malloc recycles it instead of
@@ -63,37 +64,18 @@ def _buffer(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
     return t[:numel]
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 def forward(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
+    batch: PagedBatch,
+    spec: LayerSpec,
     meta: BatchMeta,
     *,
-    scale: float,
-    causal: bool,
-    threshold: float | torch.Tensor,
+    threshold: torch.Tensor,
     count_thresholds: torch.Tensor | None,
     out: torch.Tensor,
     split_k: int = SPLIT_K,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Fill ``out`` [T, Hq, D] and return ``(out, skipped, visited)``.
-
-    ``split_k`` (KV positions, a multiple of ``TILE_K``) is the rule's split length: at
-    every split boundary after the first the dense running max restarts from KV tile 0's
-    maxima.
-
-    ``threshold`` is the lambda applied (0 = dense): a float, or a float32 ``[S]`` tensor
-    with one lambda per sequence.  With ``count_thresholds`` (float32 ``[n, S]``: candidate
-    ``j``'s lambda for sequence ``s``), ``skipped`` is int64 ``[n, Hq]``: visited KV tiles other
-    than tile 0 with ``ratio < lambda_j``; ``visited`` is int64 ``[Hq]``.  Both are ``None``
-    otherwise.
-    """
-    hq = meta.num_q_heads
+    """The backend contract of :mod:`sparse_attn.kernels.api` (CPU tensors, ``meta`` given)."""
+    hq = batch.num_q_heads
     counting = count_thresholds is not None
     n_thr = count_thresholds.shape[0] if counting else 0
     skipped = torch.zeros(n_thr, hq, dtype=torch.int64)
@@ -106,11 +88,11 @@ def forward(
         if q_len > TILE_Q:
             multi.append([s])
         else:
-            buckets.setdefault(_next_pow2(q_len), []).append(s)
+            buckets.setdefault(next_pow2(q_len), []).append(s)
     groups = [(seqs, TILE_Q) for seqs in multi] + [(seqs, r) for r, seqs in sorted(buckets.items())]
-    bt = block_table.long()
+    bt = batch.block_table.long()
     for seqs, rows in groups:
-        visited += _run_group(query, key_cache, value_cache, bt, meta, seqs, rows, scale, causal,
+        visited += _run_group(batch, bt, meta, seqs, rows, float(spec.scale), spec.causal,
                               threshold, count_thresholds if n_thr else None, skipped, out, split_k // TILE_K)
     if not counting:
         return out, None, None
@@ -138,7 +120,7 @@ class _TileReader:
 
     def __init__(self, cache, bt_rows, kv, page_size, name):
         self.cache, self.bt_rows, self.kv, self.page, self.name = cache, bt_rows, kv, page_size, name
-        self.units = None
+        self.units, self.unit, self.per_block = None, 0, 0
         if TILE_K % page_size == 0:
             self.unit, self.units, self.per_block = page_size, cache, 1
         elif page_size % TILE_K == 0:
@@ -155,7 +137,7 @@ class _TileReader:
                     and u.stride(0) == u.shape[1] * u.stride(1):
                 self.rows = u.reshape(-1, u.shape[3])
         # Readers of the same kind resolve the same plan (K and V share the block table).
-        self.kind = (self.units is None, getattr(self, "unit", 0), getattr(self, "per_block", 0))
+        self.kind = (self.units is None, self.unit, self.per_block)
 
     def plan(self, b: int, t0: int, c: int):
         """Unit ids ``[b, c, units per tile]`` (or token (block, offset) ids ``[b, c, TILE_K]``)
@@ -224,8 +206,7 @@ def _sub_batches(b: int, per_seq: int):
     return [(b0, min(b, b0 + step)) for b0 in range(0, b, step)]
 
 
-def _run_group(query, key_cache, value_cache, bt, meta, seqs, rows, scale, causal, threshold, lams,
-               skipped, out, tps):
+def _run_group(batch, bt, meta, seqs, rows, scale, causal, threshold, lams, skipped, out, tps):
     """Attention for one group of sequences; returns the group's visited-tile count (per head).
 
     All sequences of the group have ``nq`` query tiles of ``rows`` rows each
@@ -235,7 +216,8 @@ def _run_group(query, key_cache, value_cache, bt, meta, seqs, rows, scale, causa
     tiles per split of the skip rule (the dense running max restarts from KV tile 0's
     maxima at each later split).
     """
-    hkv, g, d, page = meta.num_kv_heads, meta.group, meta.head_dim, meta.page_size
+    hkv, g, d, page = batch.num_kv_heads, batch.group, batch.head_dim, batch.page_size
+    query, key_cache, value_cache = batch.query, batch.key_cache, batch.value_cache
     seqs = sorted(seqs, key=lambda s: -meta.seq_lens[s])  # active sequences form a prefix
     threshold = _group_lambdas(threshold, seqs)
     if lams is not None:
@@ -413,8 +395,6 @@ def _split_cummax(tile_max, md, seed, t0, tps):
 
 def _group_lambdas(threshold, seqs):
     """The group's serving lambda: a float when all its sequences share it, else float32 ``[B]``."""
-    if not isinstance(threshold, torch.Tensor):
-        return threshold
     lam = threshold[seqs]
     if bool((lam == lam[0]).all()):
         return float(lam[0])
@@ -485,36 +465,34 @@ def _sparse_pv_units(s, active, m_flat, acc_flat, l_flat, v_chunk, u_lo, units_a
     results go into the accumulators with one ``index_add_``.
     """
     hkv, b, units, c = active.shape
+    assert b == 1, "a group with several query tiles holds one sequence"
     rows = m_flat.shape[1]
     d = acc_flat.shape[-1]
-    b_all = 1
     v_tiles = v_chunk.view(c, -1)
-    per_tile = active.sum(2).view(-1)                                            # [Hkv*b*c], (h, b, t)
-    tid = per_tile.nonzero().squeeze(1)
-    cnt = per_tile[tid]
-    key = cnt * hkv + tid // (b * c)
+    per_tile = active.sum(2).view(-1)                                            # [Hkv*c], (head, tile)
+    pair = per_tile.nonzero().squeeze(1)                                         # active (head, tile) pairs
+    key = per_tile[pair] * hkv + pair // c                                       # (units active, head)
     order = torch.argsort(key, stable=True)
-    tid, key = tid[order], key[order]
+    pair, key = pair[order], key[order]
     keys, lens = torch.unique_consecutive(key, return_counts=True)
-    act_rows = active.permute(0, 1, 3, 2).reshape(-1, units)[tid]               # [n_tiles, U]
-    i, u = act_rows.nonzero().unbind(1)                                          # blocks, tile-major
-    t_h, t_b, t_t = tid // (b * c), (tid // c) % b, tid % c
-    bh, bb, bt_ = t_h[i], t_b[i], t_t[i]
-    row0 = ((bh * b + bb) * units + u) * rows                                    # first row in s
-    src = ((row0[:, None] + torch.arange(rows)) * c + bt_[:, None]).view(-1)
+    act_units = active.permute(0, 1, 3, 2).reshape(-1, units)[pair]             # [n_pairs, U]
+    i, u = act_units.nonzero().unbind(1)                                         # blocks, pair-major
+    pair_head, pair_tile = pair // c, pair % c
+    blk_head, blk_tile = pair_head[i], pair_tile[i]
+    row0 = (blk_head * units + u) * rows                                         # first row in s
+    src = ((row0[:, None] + torch.arange(rows)) * c + blk_tile[:, None]).view(-1)
     p = torch.index_select(s.view(-1, TILE_K), 0, src).view(-1, rows, TILE_K)
-    flat = (bh * b_all + bb) * units_all + u_lo + u
+    flat = blk_head * units_all + u_lo + u
     p.sub_(m_flat[flat].unsqueeze(-1)).exp_()
     l_flat.index_add_(0, flat, p.sum(-1))
     o = torch.empty(p.shape[0], rows, d)
-    t_start = blk_start = 0
-    for kh, n_t in zip(keys.tolist(), lens.tolist()):
+    p_start = blk_start = 0
+    for kh, n_p in zip(keys.tolist(), lens.tolist()):
         k, h = divmod(kh, hkv)
-        sl = slice(t_start, t_start + n_t)
-        v = torch.index_select(v_tiles, 0, t_t[sl]).view(n_t, TILE_K, hkv, d)[:, :, h]
-        n_b = n_t * k
-        torch.bmm(p[blk_start:blk_start + n_b].view(n_t, k * rows, TILE_K), v,
-                  out=o[blk_start:blk_start + n_b].view(n_t, k * rows, d))
-        t_start += n_t
+        v = torch.index_select(v_tiles, 0, pair_tile[p_start:p_start + n_p]).view(n_p, TILE_K, hkv, d)[:, :, h]
+        n_b = n_p * k
+        torch.bmm(p[blk_start:blk_start + n_b].view(n_p, k * rows, TILE_K), v,
+                  out=o[blk_start:blk_start + n_b].view(n_p, k * rows, d))
+        p_start += n_p
         blk_start += n_b
     acc_flat.index_add_(0, flat, o)

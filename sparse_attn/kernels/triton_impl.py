@@ -47,7 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import SPLIT_K, TILE_K, TILE_Q, BatchMeta
+from ._common import SPLIT_K, TILE_K, TILE_Q, next_pow2
+from .batch import BatchMeta, LayerSpec, PagedBatch
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ TILE_CONFIGS: dict[tuple[int, torch.dtype, str], TileConfig] = {
 
 def tile_config(head_dim: int, dtype: torch.dtype, phase: str) -> TileConfig:
     """The :data:`TILE_CONFIGS` entry for ``head_dim`` (head sizes <= 64 use the 64 row)."""
-    block_d = max(64, _next_pow2(head_dim))
+    block_d = max(64, next_pow2(head_dim))
     key = (block_d, dtype, phase)
     if key not in TILE_CONFIGS:
         raise ValueError(f"paged_attention: no Triton tile configuration for head size {head_dim} "
@@ -283,10 +284,6 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 @dataclass
 class KernelCall:
     """One kernel launch: ``kernel[grid](*args, **constexprs)``."""
@@ -317,31 +314,26 @@ class Launch:
 
 
 def prepare(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
+    batch: PagedBatch,
+    spec: LayerSpec,
     meta: BatchMeta | None,
     *,
-    scale: float,
-    causal: bool,
-    threshold: float | torch.Tensor,
+    threshold: torch.Tensor,
     count_thresholds: torch.Tensor | None,
     out: torch.Tensor,
     split_k: int = SPLIT_K,
-    max_query_len: int | None = None,
 ) -> Launch:
     """Grid, tensor arguments and constexprs of one forward; launches nothing.
 
-    With ``meta`` (the validated host copy of the batch) the grid is exact.  With
-    ``meta=None`` it is sized from shapes and host ints only: ``max_query_len`` (default
-    ``T``, the number of query tokens) bounds the query length, ``block_table.shape[1] *
-    page_size`` the KV length; no device data is read on the host.
-    ``threshold``: float, or float32 ``[S]`` on any device; ``count_thresholds``: float32
-    ``[n, S]`` or ``None``.
+    With ``meta`` (the host copy of the batch) the grid is exact.  With ``meta=None`` it
+    is sized from shapes and host ints only: ``batch.max_query_len`` (default ``T``, the
+    number of query tokens) bounds the query length, ``block_table.shape[1] * page_size``
+    the KV length; no device data is read on the host.  ``threshold``: float32 ``[S]`` on
+    the device; ``count_thresholds``: float32 ``[n, S]`` or ``None``.
     """
+    query, key_cache, value_cache = batch.query, batch.key_cache, batch.value_cache
+    block_table, seq_lens, query_start_loc = batch.block_table, batch.seq_lens, batch.query_start_loc
+    scale, causal, max_query_len = float(spec.scale), spec.causal, batch.max_query_len
     dev = query.device
     num_tokens, hq, d = query.shape
     hkv, page = key_cache.shape[2], key_cache.shape[1]
@@ -355,12 +347,12 @@ def prepare(
         max_kv = block_table.shape[1] * page
     phase = "decode" if max_q <= 1 else "prefill"
     cfg = tile_config(d, query.dtype, phase)
-    hpp = min(cfg.heads_per_program, _next_pow2(group))
+    hpp = min(cfg.heads_per_program, next_pow2(group))
     n_hchunks = -(-group // hpp)
     # A smaller row block is the same query tile when every sequence fits in it; the
     # packed block needs >= 16 rows for tl.dot.
-    block_m = min(TILE_Q, max(_next_pow2(max(max_q, 1)), -(-16 // hpp)))
-    block_d = max(16, _next_pow2(d))
+    block_m = min(TILE_Q, max(next_pow2(max(max_q, 1)), -(-16 // hpp)))
+    block_d = max(16, next_pow2(d))
     tps = split_k // TILE_K
 
     # Query tiles -> sequences, on the device: tiles per sequence, their cumulative sum,
@@ -387,15 +379,12 @@ def prepare(
     n_splits = max(1, -(-max_kv // split_k)) if phase == "decode" else 1
     counting = count_thresholds is not None
     n_thr = count_thresholds.shape[0] if counting else 0
-    block_t = max(2, _next_pow2(max(n_thr, 1)))
+    block_t = max(2, next_pow2(max(n_thr, 1)))
     # Per-sequence lambdas live in device arrays (pointers): new values never recompile.
     thresh = torch.full((n_seqs, block_t), -1.0, dtype=torch.float32, device=dev)
     if n_thr:
         thresh[:, :n_thr] = count_thresholds.T.to(dev, torch.float32)
-    if isinstance(threshold, torch.Tensor):
-        lam = threshold.to(dev, torch.float32)
-    else:
-        lam = torch.full((n_seqs,), float(threshold), dtype=torch.float32, device=dev)
+    lam = threshold
     cnt_slots = n_slots if counting else 1
     skip_cnt = torch.zeros(cnt_slots, n_splits if counting else 1, hq, block_t, dtype=torch.int32, device=dev)
     vis_cnt = torch.zeros(cnt_slots, n_splits if counting else 1, hq, dtype=torch.int32, device=dev)
@@ -422,7 +411,7 @@ def prepare(
         launch.calls.append(KernelCall(
             _merge_splits_kernel, (n_slots, hq),
             (o_part, m_part, l_part, out, query_start_loc, n_splits, hq, *out.stride()),
-            dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=max(2, _next_pow2(n_splits)), num_warps=4)))
+            dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=max(2, next_pow2(n_splits)), num_warps=4)))
     return launch
 
 
@@ -440,9 +429,9 @@ def finish(plan: Launch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tenso
     return plan.out, skipped, plan.vis_cnt.sum((0, 1), dtype=torch.int64)
 
 
-def forward(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, meta, **kw):
-    """Same contract as :func:`sparse_attn.kernels.torch_impl.forward`; ``meta=None`` is
-    the capture-safe mode of :func:`prepare`."""
-    plan = prepare(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, meta, **kw)
+def forward(batch: PagedBatch, spec: LayerSpec, meta: BatchMeta | None, **kw):
+    """The backend contract of :mod:`sparse_attn.kernels.api`; ``meta=None`` is the
+    capture-safe mode of :func:`prepare`."""
+    plan = prepare(batch, spec, meta, **kw)
     launch(plan)
     return finish(plan)

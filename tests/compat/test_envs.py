@@ -39,6 +39,7 @@ def test_layout_override_parses(monkeypatch, raw, expected):
     pytest.param("SPARSE_ATTN_DISABLE", "maybe", "'1'", id="flag-unknown"),
     pytest.param("SPARSE_ATTN_STATS_INTERVAL_S", "-5", ">= 0", id="interval-negative"),
     pytest.param("SPARSE_ATTN_STATS_INTERVAL_S", "nan", ">= 0", id="interval-nan"),
+    pytest.param("SPARSE_ATTN_CPU_KERNEL", "avx2", "auto, compiled, torch", id="cpu-kernel-unknown"),
 ])
 def test_bad_values_raise_with_choices(monkeypatch, name, raw, listed):
     monkeypatch.setenv(name, raw)
@@ -72,6 +73,7 @@ def test_defaults(monkeypatch):
     assert envs.get("SPARSE_ATTN_CACHE_WRITER") == "auto"
     assert envs.get("SPARSE_ATTN_DISABLE") is False and envs.get("SPARSE_ATTN_STRICT") is False
     assert envs.get("SPARSE_ATTN_STATS_INTERVAL_S") == 60.0
+    assert envs.get("SPARSE_ATTN_CPU_KERNEL") == "auto" and envs.get("SPARSE_ATTN_CPU_KERNEL_CACHE") == ""
 
 
 def test_readme_documents_every_variable_and_no_other():
@@ -102,7 +104,8 @@ def test_every_layout_name_the_env_accepts_has_a_view_in_the_catalogue():
     assert set(envs.LAYOUT_NAMES) == {layout.value for layout in layouts.VIEW_FUNCTIONS}
 
 
-@pytest.mark.parametrize("name", ["SPARSE_ATTN_KV_LAYOUT", "SPARSE_ATTN_CACHE_WRITER", "SPARSE_ATTN_DISABLE", "SPARSE_ATTN_STRICT"])
+@pytest.mark.parametrize("name", ["SPARSE_ATTN_KV_LAYOUT", "SPARSE_ATTN_CACHE_WRITER", "SPARSE_ATTN_DISABLE", "SPARSE_ATTN_STRICT",
+                                  "SPARSE_ATTN_CPU_KERNEL"])
 def test_every_documented_choice_is_accepted(monkeypatch, name):
     """The choices text shown by `python -m compat` and the README lists only values the parser takes."""
     listed = [c.strip().removeprefix("backends ") for part in envs.REGISTRY[name].choices.split(";") for c in part.split(",")]

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import compat
+from compat import envs
 from compat.layouts import KVLayout
 from tests.compat.stub_vllm import write_stub
 
@@ -156,6 +157,8 @@ def test_version_sources(install_stub, dist, version, expected):
 
 
 def test_env_overrides_win_and_are_recorded(install_stub, monkeypatch):
+    for name in envs.REGISTRY:  # tox sets SPARSE_ATTN_CPU_KERNEL_CACHE for every env
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("SPARSE_ATTN_KV_LAYOUT", "FLASHINFER=blocks-first")
     monkeypatch.setenv("SPARSE_ATTN_CACHE_WRITER", "adapter")
     report = install_stub(version="0.31.0", view_construction=True, backends={

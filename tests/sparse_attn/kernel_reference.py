@@ -9,11 +9,12 @@ later split's running max seeded with KV tile 0's maxima).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
-from sparse_attn.kernels import SPLIT_K, TILE_K, TILE_Q
+from sparse_attn.kernels import SPLIT_K, TILE_K, TILE_Q, BatchMeta, PagedBatch
 
 
 def _cache_pair(n_blocks, page, hkv, d, layout, dtype, gen):
@@ -29,6 +30,12 @@ def _cache_pair(n_blocks, page, hkv, d, layout, dtype, gen):
         # One [B, H, N, 2D] buffer, transposed to [B, N, H, 2D] and split into K | V.
         buf = torch.empty(n_blocks, hkv, page, 2 * d, dtype=dtype).transpose(1, 2)
         k, v = buf[..., :d], buf[..., d:]
+    elif layout == "cpu_packed":
+        # vLLM's CPU cache [blocks, Hkv, page, 2D]: per (block, head) the page's keys
+        # dim-major ([D, page]), then its values token-major, viewed as compat reads it.
+        from compat import layouts
+
+        k, v = layouts.views("cpu-packed", torch.empty(n_blocks, hkv, page, 2 * d, dtype=dtype), d, isa="vec")
     elif layout == "kv_interleaved_blocks":
         # [blocks, 2, page, Hkv, D]: block stride is not page * token stride.
         buf = torch.empty(n_blocks, 2, page, hkv, d, dtype=dtype)
@@ -40,8 +47,10 @@ def _cache_pair(n_blocks, page, hkv, d, layout, dtype, gen):
     return k, v
 
 
-def make_batch(kv_lens, q_lens, hq, hkv, d, page, *, layout="contiguous", dtype=torch.float32, seed=0):
-    """Random paged batch; every cache slot no sequence owns holds NaN, unused table entries -1."""
+def make_batch(kv_lens, q_lens, hq, hkv, d, page, *, layout="contiguous", dtype=torch.float32, seed=0,
+               host=False):
+    """Random :class:`PagedBatch`; every cache slot no sequence owns holds NaN, unused table
+    entries -1; ``host=True`` attaches the host copy of the lengths."""
     gen = torch.Generator().manual_seed(seed)
     need = [-(-n // page) for n in kv_lens]
     n_blocks = sum(need) + 2
@@ -58,20 +67,20 @@ def make_batch(kv_lens, q_lens, hq, hkv, d, page, *, layout="contiguous", dtype=
         v[blk, pos % page] = torch.randn(n, hkv, d, generator=gen).to(dtype)
     q = torch.randn(sum(q_lens), hq, d, generator=gen).to(dtype)
     qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
-    return q, k, v, bt, torch.tensor(kv_lens, dtype=torch.int32), qsl
+    meta = BatchMeta.from_host(kv_lens, qsl) if host else None
+    return PagedBatch(q, k, v, bt, torch.tensor(kv_lens, dtype=torch.int32), qsl, host=meta)
 
 
 def add_sink(batch, strength=3.0):
     """Give every query a large score on each sequence's first key (an attention sink),
     so that whole 64-row query tiles agree on skipping the unremarkable KV tiles."""
-    q, k, v, bt, seq_lens, qsl = batch
+    q, k, bt, seq_lens = batch.query, batch.key_cache, batch.block_table, batch.seq_lens
     u = torch.zeros(q.shape[-1], dtype=q.dtype)
     u[0] = strength
-    q = q + u
     for s in range(len(seq_lens)):
         if int(seq_lens[s]) > 0:
             k[int(bt[s, 0]), 0, :, 0] = strength * 2
-    return q, k, v, bt, seq_lens, qsl
+    return dataclasses.replace(batch, query=q + u)
 
 
 def gather_seq(cache, bt, s, n):
@@ -80,7 +89,7 @@ def gather_seq(cache, bt, s, n):
     return cache[bt[s].long()[pos // page], pos % page].double()       # [n, Hkv, D]
 
 
-def reference(q, k, v, bt, seq_lens, qsl, scale, lam=0.0, causal=True, thresholds=(), split_k=SPLIT_K):
+def reference(batch, scale, lam=0.0, causal=True, thresholds=(), split_k=SPLIT_K):
     """Brute-force float64 attention with the documented tile skip rule (at every
     ``split_k`` boundary after the first the dense running max restarts from KV tile 0's
     maxima; only KV tile 0 is never skippable).
@@ -88,6 +97,8 @@ def reference(q, k, v, bt, seq_lens, qsl, scale, lam=0.0, causal=True, threshold
     Returns ``(out [T, Hq, D] float64, skipped [Hq] under lam, visited [Hq],
     skipped_per_threshold [len(thresholds), Hq])``.
     """
+    q, k, v, bt, seq_lens, qsl = (batch.query, batch.key_cache, batch.value_cache, batch.block_table,
+                                  batch.seq_lens, batch.query_start_loc)
     t_tokens, hq, d = q.shape
     g = hq // k.shape[2]
     out = torch.zeros(t_tokens, hq, d, dtype=torch.float64)

@@ -130,7 +130,7 @@ def kernel_calls(monkeypatch):
 
     def recording(*args, **kwargs):
         threshold = kwargs.get("threshold")
-        calls.append((threshold.tolist() if isinstance(threshold, torch.Tensor) else threshold, args[4].tolist()))
+        calls.append((threshold.tolist() if isinstance(threshold, torch.Tensor) else threshold, args[0].seq_lens.tolist()))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(adapter, "paged_attention", recording)
@@ -355,8 +355,9 @@ def test_uniform_decode_forward_reads_no_device_data(style, mode, monkeypatch):
         layer_info = dataclasses.replace(INFO, backend=backend, cpu_isa=None)
     launches = []
 
-    def kernel(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, *, scale, threshold, return_counts,
-               out, max_query_len, check):
+    def kernel(batch, spec, *, threshold, return_counts, out, check):
+        q, key_cache, value_cache, block_table = batch.query, batch.key_cache, batch.value_cache, batch.block_table
+        seq_lens, query_start_loc, max_query_len, scale = batch.seq_lens, batch.query_start_loc, batch.max_query_len, spec.scale
         s = seq_lens.shape[0]
         assert q.shape == (3, HQ, D) and q.dtype == torch.float16 and out.shape == q.shape and out.dtype == q.dtype
         assert key_cache.shape == value_cache.shape == (B, N, HKV, D) and key_cache.dtype == torch.float16

@@ -7,10 +7,13 @@ float64 softmax on K/V gathered token by token; the sparse reference walks every
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from sparse_attn.kernels import SPLIT_K, TILE_K, TILE_Q, paged_attention, paged_attention_counts
+from sparse_attn.kernels import (SPLIT_K, TILE_K, TILE_Q, BatchMeta, LayerSpec, paged_attention,
+                                 paged_attention_counts)
 
 from .kernel_reference import add_sink, gather_seq, make_batch, reference  # noqa: F401  (re-exported)
 
@@ -29,9 +32,8 @@ CASES = {
 LAYOUTS = ["contiguous", "dim_major_k", "packed_kv", "kv_interleaved_blocks"]
 
 
-def _run(batch, **kw):
-    q, k, v, bt, sl, qsl = batch
-    return paged_attention(q, k, v, bt, sl, qsl, impl="torch", **kw)
+def _run(batch, scale, causal=True, **kw):
+    return paged_attention(batch, LayerSpec(scale, causal), impl="torch", **kw)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -40,7 +42,7 @@ def test_dense_matches_reference(case, layout):
     kv_lens, q_lens, hq, hkv, d, page = CASES[case]
     batch = make_batch(kv_lens, q_lens, hq, hkv, d, page, layout=layout)
     scale = d ** -0.5
-    ref = reference(*batch, scale)[0]
+    ref = reference(batch, scale)[0]
     out = _run(batch, scale=scale)
     assert out.dtype == torch.float32 and not out.isnan().any()
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
@@ -50,13 +52,13 @@ def test_dense_matches_reference(case, layout):
 @pytest.mark.parametrize("gqa", [1, 2, 4, 8], ids=["gqa1", "gqa2", "gqa4", "mqa8"])
 def test_dense_gqa_ratios(gqa):
     batch = make_batch([190, 64, 1], [70, 64, 1], 8, 8 // gqa, 16, 16, seed=gqa)
-    ref = reference(*batch, 0.3)[0]
+    ref = reference(batch, 0.3)[0]
     torch.testing.assert_close(_run(batch, scale=0.3).double(), ref, atol=2e-5, rtol=1e-5)
 
 
 def test_non_causal_matches_reference():
     batch = make_batch([300, 70], [100, 70], 4, 2, 16, 16)
-    ref, sk, vis, _ = reference(*batch, 0.25, lam=0.3, causal=False)
+    ref, sk, vis, _ = reference(batch, 0.25, lam=0.3, causal=False)
     out, sk2, vis2 = _run(batch, scale=0.25, threshold=0.3, causal=False, return_counts=True)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
     assert sk2.tolist() == sk.tolist() and vis2.tolist() == vis.tolist()
@@ -73,7 +75,7 @@ def test_sparse_matches_bruteforce(case, lam, sink):
     if sink:
         batch = add_sink(batch)
     scale = 2.0 * d ** -0.5  # peakier scores so that tiles get skipped
-    ref, skipped, visited, _ = reference(*batch, scale, lam=lam)
+    ref, skipped, visited, _ = reference(batch, scale, lam=lam)
     out, sk, vis = _run(batch, scale=scale, threshold=lam, return_counts=True)
     assert sk.dtype == torch.int64 and vis.dtype == torch.int64 and sk.shape == (hq,)
     assert vis.tolist() == visited.tolist()
@@ -92,8 +94,8 @@ def test_counting_mode_matches_bruteforce_and_serving():
     batch = add_sink(make_batch(kv_lens, q_lens, hq, hkv, d, page, seed=7))
     scale = 2.0 * d ** -0.5
     lams = [0.0, 1e-4, 1e-2, 0.1, 0.5, 1.0, 3.0]
-    ref, _, visited, per_thr = reference(*batch, scale, thresholds=lams)
-    out, skipped, vis = paged_attention_counts(*batch, torch.tensor(lams), scale=scale, impl="torch")
+    ref, _, visited, per_thr = reference(batch, scale, thresholds=lams)
+    out, skipped, vis = paged_attention_counts(batch, LayerSpec(scale), torch.tensor(lams), impl="torch")
     assert skipped.shape == (len(lams), hq) and skipped.dtype == torch.int64
     assert skipped.tolist() == per_thr.tolist()
     assert vis.tolist() == visited.tolist()
@@ -120,7 +122,7 @@ def test_error_grows_monotonically_with_lambda():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_half_precision_inputs(dtype):
     batch = make_batch([150, 40], [60, 1], 4, 2, 32, 16, dtype=dtype, layout="packed_kv")
-    ref = reference(*batch, 32 ** -0.5)[0]
+    ref = reference(batch, 32 ** -0.5)[0]
     out = _run(batch, scale=32 ** -0.5)
     assert out.dtype == dtype
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
@@ -133,17 +135,17 @@ def test_empty_and_zero_length_sequences():
     batch = make_batch([0, 50, 30], [0, 0, 1], 2, 1, 16, 16)
     out, sk, vis = _run(batch, scale=0.25, threshold=0.5, return_counts=True)
     assert out.shape == (1, 2, 16) and not out.isnan().any()
-    torch.testing.assert_close(out.double(), reference(*batch, 0.25, lam=0.5)[0], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(out.double(), reference(batch, 0.25, lam=0.5)[0], atol=2e-5, rtol=1e-5)
     empty = make_batch([0, 0], [0, 0], 2, 1, 16, 16)
     out, sk, vis = _run(empty, scale=0.25, return_counts=True)
     assert out.shape == (0, 2, 16) and sk.tolist() == [0, 0] and vis.tolist() == [0, 0]
-    out, skipped, vis = paged_attention_counts(*empty, [0.1, 0.2], scale=0.25, impl="torch")
+    out, skipped, vis = paged_attention_counts(empty, LayerSpec(0.25), [0.1, 0.2], impl="torch")
     assert skipped.shape == (2, 2)
 
 
 def test_out_buffer_is_filled():
     batch = make_batch([100], [10], 2, 1, 16, 16)
-    buf = torch.full_like(batch[0], float("nan"))
+    buf = torch.full_like(batch.query, float("nan"))
     res = _run(batch, scale=0.25, out=buf)
     assert res is buf and not buf.isnan().any()
     torch.testing.assert_close(buf, _run(batch, scale=0.25))
@@ -173,48 +175,59 @@ def test_visited_tiles_follow_the_documented_geometry(kv_lens, q_lens):
 # --------------------------------------------------------------------------- validation
 
 def _bad_inputs():
-    def base():
-        return list(make_batch([40, 20], [5, 1], 4, 2, 16, 16)), {"scale": 0.25}
+    """name -> function of a valid (batch, kwargs) returning an invalid one."""
+    def field(name, fn):
+        return lambda b, kw: (dataclasses.replace(b, **{name: fn(getattr(b, name))}), kw)
 
-    def mutate(fn):
-        args, kw = base()
-        fn(args, kw)
-        return args, kw
+    def poke(name, index, value):
+        def fn(t):
+            t = t.clone()
+            t[index] = value
+            return t
+        return field(name, fn)
 
-    def set_arg(i, value):
-        return lambda a, kw: a.__setitem__(i, value(a) if callable(value) else value)
+    def option(**extra):
+        return lambda b, kw: (b, {**kw, **extra})
 
+    i32 = dict(dtype=torch.int32)
     return {
-        "head-size-mismatch": mutate(set_arg(0, lambda a: torch.randn(6, 4, 8))),
-        "hq-not-multiple-of-hkv": mutate(set_arg(0, lambda a: torch.randn(6, 3, 16))),
-        "block-id-out-of-range": mutate(lambda a, kw: a[3].__setitem__((0, 1), 10_000)),
-        "block-id-negative": mutate(lambda a, kw: a[3].__setitem__((1, 0), -1)),
-        "block-table-too-narrow": mutate(set_arg(3, lambda a: a[3][:, :1])),
-        "negative-seq-len": mutate(lambda a, kw: a[4].__setitem__(1, -1)),
-        "q-len-exceeds-kv-len": mutate(set_arg(4, lambda a: torch.tensor([4, 20], dtype=torch.int32))),
-        "query-start-loc-wrong-total": mutate(set_arg(5, lambda a: torch.tensor([0, 5, 7], dtype=torch.int32))),
-        "query-start-loc-decreasing": mutate(set_arg(5, lambda a: torch.tensor([0, 7, 6], dtype=torch.int32))),
-        "query-start-loc-wrong-length": mutate(set_arg(5, lambda a: torch.tensor([0, 6], dtype=torch.int32))),
-        "lambda-negative": mutate(lambda a, kw: kw.update(threshold=-0.1)),
-        "lambda-nan": mutate(lambda a, kw: kw.update(threshold=float("nan"))),
-        "kv-dtype-mismatch": mutate(set_arg(1, lambda a: a[1].to(torch.float16))),
-        "query-dtype-int": mutate(set_arg(0, lambda a: a[0].to(torch.int32))),
-        "block-table-float": mutate(set_arg(3, lambda a: a[3].float())),
-        "k-v-shape-mismatch": mutate(set_arg(2, lambda a: a[2][:, :, :1])),
-        "out-wrong-shape": mutate(lambda a, kw: kw.update(out=torch.empty(5, 4, 16))),
-        "bad-impl": mutate(lambda a, kw: kw.update(impl="cuda-magic")),
+        "head-size-mismatch": field("query", lambda q: torch.randn(6, 4, 8)),
+        "hq-not-multiple-of-hkv": field("query", lambda q: torch.randn(6, 3, 16)),
+        "block-id-out-of-range": poke("block_table", (0, 1), 10_000),
+        "block-id-negative": poke("block_table", (1, 0), -1),
+        "block-table-too-narrow": field("block_table", lambda t: t[:, :1]),
+        "negative-seq-len": poke("seq_lens", 1, -1),
+        "q-len-exceeds-kv-len": field("seq_lens", lambda t: torch.tensor([4, 20], **i32)),
+        "query-start-loc-wrong-total": field("query_start_loc", lambda t: torch.tensor([0, 5, 7], **i32)),
+        "query-start-loc-decreasing": field("query_start_loc", lambda t: torch.tensor([0, 7, 6], **i32)),
+        "query-start-loc-wrong-length": field("query_start_loc", lambda t: torch.tensor([0, 6], **i32)),
+        "lambda-negative": option(threshold=-0.1),
+        "lambda-nan": option(threshold=float("nan")),
+        "kv-dtype-mismatch": field("key_cache", lambda t: t.to(torch.float16)),
+        "query-dtype-int": field("query", lambda t: t.to(torch.int32)),
+        "block-table-float": field("block_table", lambda t: t.float()),
+        "k-v-shape-mismatch": field("value_cache", lambda t: t[:, :, :1]),
+        "out-wrong-shape": option(out=torch.empty(5, 4, 16)),
+        "bad-impl": option(impl="cuda-magic"),
+        "bad-check": option(check="sometimes"),
     }
 
 
 BAD = _bad_inputs()
+#: Block ids are device data: with a host copy they are checked only under check="full".
+_DEVICE_ONLY = {"block-id-out-of-range", "block-id-negative"}
 
 
+@pytest.mark.parametrize("host", [False, True], ids=["no-host-copy", "host-copy"])
 @pytest.mark.parametrize("name", list(BAD), ids=list(BAD))
-def test_bad_input_raises_value_error(name):
-    args, kw = BAD[name]
-    kw = {"impl": "torch", **kw}
-    with pytest.raises(ValueError, match="paged_attention"):
-        paged_attention(*args, **kw)
+def test_bad_input_raises_value_error(name, host):
+    batch, kw = BAD[name](make_batch([40, 20], [5, 1], 4, 2, 16, 16), {"impl": "torch"})
+    with pytest.raises(ValueError, match="paged_attention|BatchMeta"):
+        if host:
+            batch = dataclasses.replace(batch, host=BatchMeta.from_host(batch.seq_lens, batch.query_start_loc))
+            if name in _DEVICE_ONLY:
+                kw["check"] = "full"
+        paged_attention(batch, LayerSpec(0.25), **kw)
 
 
 @pytest.mark.parametrize("thresholds", [[0.1, -1.0], [float("nan")], torch.ones(2, 2)],
@@ -222,16 +235,18 @@ def test_bad_input_raises_value_error(name):
 def test_bad_counting_thresholds_raise(thresholds):
     batch = make_batch([40], [5], 2, 1, 16, 16)
     with pytest.raises(ValueError, match="threshold"):
-        paged_attention_counts(*batch, thresholds, scale=0.25, impl="torch")
+        paged_attention_counts(batch, LayerSpec(0.25), thresholds, impl="torch")
 
 
 # --------------------------------------------------------------------------- per-sequence lambda
 
 def _seq_alone(batch, s):
     """Sequence ``s`` of a batch as a batch of its own (same caches, same block ids)."""
-    q, k, v, bt, sl, qsl = batch
+    qsl = batch.query_start_loc
     a, b = int(qsl[s]), int(qsl[s + 1])
-    return q[a:b], k, v, bt[s:s + 1], sl[s:s + 1], torch.tensor([0, b - a], dtype=qsl.dtype)
+    return dataclasses.replace(batch, query=batch.query[a:b], block_table=batch.block_table[s:s + 1],
+                               seq_lens=batch.seq_lens[s:s + 1], query_start_loc=torch.tensor([0, b - a],
+                                                                                              dtype=qsl.dtype))
 
 
 PER_SEQ_CASES = {
@@ -254,9 +269,9 @@ def test_per_sequence_lambda_equals_each_sequence_alone(case, as_tensor):
     for s, lam in enumerate(lams):
         alone = _seq_alone(batch, s)
         o_s, sk_s, vis_s = _run(alone, scale=scale, threshold=lam, return_counts=True)
-        a, b = int(batch[5][s]), int(batch[5][s + 1])
+        a, b = int(batch.query_start_loc[s]), int(batch.query_start_loc[s + 1])
         torch.testing.assert_close(out[a:b], o_s, atol=1e-6, rtol=1e-6)
-        ref, ref_sk, ref_vis, _ = reference(*alone, scale, lam=lam)
+        ref, ref_sk, ref_vis, _ = reference(alone, scale, lam=lam)
         torch.testing.assert_close(out[a:b].double(), ref, atol=2e-5, rtol=1e-5)
         assert sk_s.tolist() == ref_sk.tolist() and vis_s.tolist() == ref_vis.tolist()
         sk_sum += sk_s
@@ -276,7 +291,7 @@ def test_per_sequence_zero_lambda_is_dense_for_that_sequence():
     dense = _run(batch, scale=1.0)
     # Sequence 0 is computed densely (up to fp32 summation order: its chunk shares the
     # sparse P.V path with sequence 1), sequence 1 is not.
-    torch.testing.assert_close(out[0].double(), reference(*_seq_alone(batch, 0), 1.0)[0][0], atol=2e-6, rtol=1e-6)
+    torch.testing.assert_close(out[0].double(), reference(_seq_alone(batch, 0), 1.0)[0][0], atol=2e-6, rtol=1e-6)
     torch.testing.assert_close(out[0], dense[0], atol=1e-6, rtol=1e-6)
     assert (out[1] - dense[1]).abs().max() > 1e-4
     _, sk1, _ = _run(_seq_alone(batch, 1), scale=1.0, threshold=0.5, return_counts=True)
@@ -291,20 +306,20 @@ def test_counting_mode_per_sequence_candidates():
     base = torch.tensor([0.0, 1e-3, 0.05, 0.3, 1.0])
     # Candidate j for sequence s: base[j] scaled per sequence (as scale / kv_len would be).
     per_seq = base[:, None] * torch.tensor([1.0, 0.5, 2.0, 1.5, 0.25, 3.0])[None, :]
-    out, skipped, vis = paged_attention_counts(*batch, per_seq, scale=scale, impl="torch")
+    out, skipped, vis = paged_attention_counts(batch, LayerSpec(scale), per_seq, impl="torch")
     assert skipped.shape == (len(base), hq) and skipped.dtype == torch.int64
     torch.testing.assert_close(out, _run(batch, scale=scale), atol=0, rtol=0)
     for j in range(len(base)):
         expect = torch.zeros(hq, dtype=torch.int64)
         for s in range(n_seqs):
-            expect += reference(*_seq_alone(batch, s), scale, lam=float(per_seq[j, s]))[1]
+            expect += reference(_seq_alone(batch, s), scale, lam=float(per_seq[j, s]))[1]
         assert skipped[j].tolist() == expect.tolist()
         # calibration predicts serving with the same per-sequence lambdas exactly
         _, sk, v2 = _run(batch, scale=scale, threshold=per_seq[j], return_counts=True)
         assert sk.tolist() == skipped[j].tolist() and v2.tolist() == vis.tolist()
     # 1-D candidates are the 2-D candidates broadcast over sequences; nested lists work too.
-    one_d = paged_attention_counts(*batch, base.tolist(), scale=scale, impl="torch")[1]
-    two_d = paged_attention_counts(*batch, base[:, None].expand(-1, n_seqs).tolist(), scale=scale, impl="torch")[1]
+    one_d = paged_attention_counts(batch, LayerSpec(scale), base.tolist(), impl="torch")[1]
+    two_d = paged_attention_counts(batch, LayerSpec(scale), base[:, None].expand(-1, n_seqs).tolist(), impl="torch")[1]
     assert one_d.tolist() == two_d.tolist()
 
 
@@ -323,7 +338,7 @@ def test_bad_per_sequence_threshold_raises(threshold):
 def test_bad_per_sequence_counting_thresholds_raise(thresholds):
     batch = make_batch([40, 20], [5, 1], 4, 2, 16, 16)
     with pytest.raises(ValueError, match="threshold"):
-        paged_attention_counts(*batch, thresholds, scale=0.25, impl="torch")
+        paged_attention_counts(batch, LayerSpec(0.25), thresholds, impl="torch")
 
 
 # --------------------------------------------------------------------------- KV splits of the rule
@@ -344,12 +359,12 @@ def test_split_rule_matches_bruteforce_and_counting(case):
     scale = 2.0 * d ** -0.5
     rule = {} if split_k is None else {"split_k": split_k}
     lams = [0.0, 1e-3, 0.05, 0.3]
-    ref_out, _, ref_vis, per_thr = reference(*batch, scale, thresholds=lams, **rule)
-    out, skipped, vis = paged_attention_counts(*batch, lams, scale=scale, impl="torch", **rule)
+    ref_out, _, ref_vis, per_thr = reference(batch, scale, thresholds=lams, **rule)
+    out, skipped, vis = paged_attention_counts(batch, LayerSpec(scale), lams, impl="torch", **rule)
     assert skipped.tolist() == per_thr.tolist() and vis.tolist() == ref_vis.tolist()
     torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=1e-5)
     for j, lam in enumerate(lams[1:], 1):
-        ref, ref_sk, _, _ = reference(*batch, scale, lam=lam, **rule)
+        ref, ref_sk, _, _ = reference(batch, scale, lam=lam, **rule)
         o, sk, _ = _run(batch, scale=scale, threshold=lam, return_counts=True, **rule)
         assert sk.tolist() == ref_sk.tolist() == skipped[j].tolist()
         torch.testing.assert_close(o.double(), ref, atol=2e-5, rtol=1e-5)
@@ -367,8 +382,8 @@ def test_split_boundaries_change_counts():
     _, sk_one, vis_one = _run(batch, scale=1.0, threshold=0.5, return_counts=True, split_k=SPLIT_K * 4)
     assert vis.tolist() == vis_one.tolist()
     assert (sk_split <= sk_one).all() and int(sk_split.sum()) < int(sk_one.sum()) and (sk_split > 0).all()
-    assert sk_split.tolist() == reference(*batch, 1.0, lam=0.5)[1].tolist()
-    assert sk_one.tolist() == reference(*batch, 1.0, lam=0.5, split_k=SPLIT_K * 4)[1].tolist()
+    assert sk_split.tolist() == reference(batch, 1.0, lam=0.5)[1].tolist()
+    assert sk_one.tolist() == reference(batch, 1.0, lam=0.5, split_k=SPLIT_K * 4)[1].tolist()
 
 
 def test_later_splits_are_seeded_with_tile_0():
@@ -377,7 +392,7 @@ def test_later_splits_are_seeded_with_tile_0():
     tiles after tile 0 are still skipped; a running max restarted at -inf would skip none."""
     batch = add_sink(make_batch([1000, 700], [1, 1], 4, 2, 16, 16, seed=12), strength=4.0)
     _, sk, vis = _run(batch, scale=1.0, threshold=0.5, return_counts=True, split_k=TILE_K)
-    ref = reference(*batch, 1.0, lam=0.5, split_k=TILE_K)
+    ref = reference(batch, 1.0, lam=0.5, split_k=TILE_K)
     assert sk.tolist() == ref[1].tolist() and vis.tolist() == ref[2].tolist()
     openers = vis - 2                                   # tiles after tile 0 of both sequences
     assert (2 * sk > openers).all(), (sk.tolist(), openers.tolist())
@@ -400,10 +415,11 @@ def test_unchecked_call_on_cpu_equals_checked():
     batch = add_sink(make_batch([300, 5, 700], [1, 5, 1], 4, 2, 16, 16, seed=17))
     for thr in (0.3, torch.tensor([0.3, 0.0, 0.5])):
         a = _run(batch, scale=1.0, threshold=thr, return_counts=True)
-        b = _run(batch, scale=1.0, threshold=thr, return_counts=True, check=False, max_query_len=5)
+        b = _run(dataclasses.replace(batch, max_query_len=5), scale=1.0, threshold=thr, return_counts=True,
+                 check=False)
         torch.testing.assert_close(b[0], a[0], atol=0, rtol=0)
         assert b[1].tolist() == a[1].tolist() and b[2].tolist() == a[2].tolist() and int(a[1].sum()) > 0
-    with pytest.raises(ValueError, match="threshold shape"):
+    with pytest.raises(ValueError, match="one lambda per sequence"):
         _run(batch, scale=1.0, threshold=torch.zeros(2), check=False)
 
 
@@ -418,11 +434,28 @@ def test_split_seed_carried_across_torch_chunks(tiles_per_chunk, monkeypatch):
     monkeypatch.setattr(torch_impl, "_SCORE_BUDGET", 4 * TILE_K * tiles_per_chunk)
     batch = add_sink(make_batch([700, 400], [1, 200], 4, 1, 16, 16, seed=3), strength=1.0)
     lams = [0.0, 0.05, 0.5]
-    ref_out, _, ref_vis, per_thr = reference(*batch, 1.0, thresholds=lams, split_k=128)
-    out, skipped, vis = paged_attention_counts(*batch, lams, scale=1.0, impl="torch", split_k=128)
+    ref_out, _, ref_vis, per_thr = reference(batch, 1.0, thresholds=lams, split_k=128)
+    out, skipped, vis = paged_attention_counts(batch, LayerSpec(1.0), lams, impl="torch", split_k=128)
     assert skipped.tolist() == per_thr.tolist() and vis.tolist() == ref_vis.tolist()
     assert int(skipped[-1].sum()) > 0
-    ref, ref_sk, _, _ = reference(*batch, 1.0, lam=0.5, split_k=128)
+    ref, ref_sk, _, _ = reference(batch, 1.0, lam=0.5, split_k=128)
     o, sk, _ = _run(batch, scale=1.0, threshold=0.5, return_counts=True, split_k=128)
     assert sk.tolist() == ref_sk.tolist()
     torch.testing.assert_close(o.double(), ref, atol=2e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- effective lambda (one home of "dense")
+
+@pytest.mark.parametrize("scale, kv_len, expected", [
+    (12.0, 48, 0.25), (12.0, 12, 0.0), (12.0, 11, 0.0), (None, 100, 0.0), (0.0, 100, 0.0), (-3.0, 100, 0.0),
+    (5.0, 0, 0.0), (float("inf"), 100, 0.0), (float("nan"), 100, 0.0), (1e-3, 4096, 1e-3 / 4096),
+], ids=["quarter", "lambda-1", "lambda-above-1", "uncalibrated", "zero-scale", "negative-scale", "empty-seq",
+        "inf-scale", "nan-scale", "tiny"])
+def test_effective_lambda_host_and_device_forms_agree(scale, kv_len, expected):
+    from sparse_attn.kernels import effective_lambda
+
+    host = effective_lambda(scale, kv_len)
+    assert isinstance(host, float) and host == pytest.approx(expected, rel=1e-12)
+    device = effective_lambda(scale, torch.tensor([kv_len, kv_len], dtype=torch.int32))
+    assert device.dtype == torch.float32 and device.shape == (2,)
+    assert device.tolist() == [torch.tensor(expected, dtype=torch.float32).item()] * 2

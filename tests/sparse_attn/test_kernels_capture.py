@@ -13,22 +13,26 @@ shapes and dtypes.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton")
 
-from sparse_attn.kernels import SPLIT_K, TILE_Q, paged_attention  # noqa: E402
+from sparse_attn.kernels import (SPLIT_K, TILE_Q, BatchMeta, LayerSpec, PagedBatch, paged_attention,  # noqa: E402
+                                 paged_attention_counts)
 from sparse_attn.kernels import triton_impl  # noqa: E402
 
 HQ, HKV, D, PAGE, MAX_BLOCKS = 32, 8, 128, 16, 512       # KV upper bound 8192 tokens
 
 
-def _flashinfer_batch(num_seqs, q_len, dtype=torch.bfloat16):
-    """Meta tensors shaped as vLLM's FlashInfer backend hands them to the attention impl."""
+def _flashinfer_batch(num_seqs, q_len, dtype=torch.bfloat16, max_query_len=None):
+    """A batch of meta tensors shaped as vLLM's FlashInfer backend hands them to the
+    attention impl, and per-sequence lambdas."""
     kv = torch.empty(num_seqs * MAX_BLOCKS, HKV, PAGE, 2 * D, dtype=dtype, device="meta")
     kv = kv.transpose(1, 2)                                       # logical [blocks, page, Hkv, 2D]
     key_cache, value_cache = kv[..., :D], kv[..., D:]
@@ -37,7 +41,7 @@ def _flashinfer_batch(num_seqs, q_len, dtype=torch.bfloat16):
     seq_lens = torch.empty(num_seqs, dtype=torch.int32, device="meta")
     qsl = torch.arange(num_seqs + 1, dtype=torch.int32, device="meta") * q_len
     lam = torch.empty(num_seqs, dtype=torch.float32, device="meta")
-    return query, key_cache, value_cache, block_table, seq_lens, qsl, lam
+    return PagedBatch(query, key_cache, value_cache, block_table, seq_lens, qsl, max_query_len=max_query_len), lam
 
 
 class _Recorder:
@@ -71,9 +75,10 @@ def _args(call):
 
 @pytest.mark.parametrize("num_seqs", [1, 8, 64], ids=lambda n: f"batch{n}")
 def test_uniform_decode_prepares_without_host_reads(recorder, num_seqs):
-    q, k, v, bt, sl, qsl, lam = _flashinfer_batch(num_seqs, 1)
-    out, skipped, visited = paged_attention(q, k, v, bt, sl, qsl, scale=D ** -0.5, threshold=lam, impl="triton",
-                                            return_counts=True, max_query_len=1, check=False)
+    batch, lam = _flashinfer_batch(num_seqs, 1, max_query_len=1)
+    q, k = batch.query, batch.key_cache
+    out, skipped, visited = paged_attention(batch, LayerSpec(D ** -0.5), threshold=lam, impl="triton",
+                                            return_counts=True, check=False)
     assert out.device.type == "meta" and out.shape == q.shape and out.dtype == q.dtype
     for c in (skipped, visited):
         assert c.device.type == "meta" and c.dtype == torch.int64 and c.shape == (HQ,)
@@ -99,9 +104,9 @@ def test_mixed_batch_prepares_without_host_reads(recorder):
     """Prefill-phase launch (max_query_len > 1): query tiles mapped to sequences on the
     device, the grid an upper bound (T / BLOCK_M + S programs)."""
     num_seqs, q_len = 4, 100
-    q, k, v, bt, sl, qsl, lam = _flashinfer_batch(num_seqs, q_len)
-    out = paged_attention(q, k, v, bt, sl, qsl, scale=D ** -0.5, threshold=0.01, max_query_len=q_len,
-                          check=False, impl="triton")
+    batch, _ = _flashinfer_batch(num_seqs, q_len, max_query_len=q_len)
+    q = batch.query
+    out = paged_attention(batch, LayerSpec(D ** -0.5), threshold=0.01, check=False, impl="triton")
     assert out.device.type == "meta" and out.shape == q.shape
     (plan,) = recorder.plans
     assert plan.phase == "prefill" and len(plan.calls) == 1
@@ -115,7 +120,86 @@ def test_mixed_batch_prepares_without_host_reads(recorder):
 def test_checked_call_reads_the_host_and_meta_catches_it(recorder):
     """Control: the default check=True validates on the host, which meta tensors refuse;
     so the tests above would fail if the check=False path read device data."""
-    args = _flashinfer_batch(2, 1)
+    batch, lam = _flashinfer_batch(2, 1)
     with pytest.raises((NotImplementedError, RuntimeError)):
-        paged_attention(*args[:6], scale=D ** -0.5, threshold=args[6], return_counts=True, impl="triton")
+        paged_attention(batch, LayerSpec(D ** -0.5), threshold=lam, return_counts=True, impl="triton")
     assert recorder.plans == []
+
+
+# --------------------------------------------------------------------------- host copy of the batch (issue 18 item 1)
+
+class _DeviceReads(TorchDispatchMode):
+    """Records every op that brings device data to the host: ``.item()`` / ``bool()`` /
+    ``.tolist()`` of a non-CPU tensor (``aten._local_scalar_dense``) and copies from a
+    non-CPU tensor to a CPU one.  (Host values, e.g. a lambda list, are read freely.)"""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type != "cpu":
+            self.reads.append(func.__name__)
+        elif func is torch.ops.aten._to_copy.default and kwargs.get("device") is not None:
+            if args[0].device.type != "cpu" and torch.device(kwargs["device"]).type == "cpu":
+                self.reads.append(func.__name__)
+        elif func is torch.ops.aten.copy_.default and args[1].device.type != "cpu" and args[0].device.type == "cpu":
+            self.reads.append(func.__name__)
+        return func(*args, **kwargs)
+
+
+MIXED = dict(kv_lens=[500, 300, 9, 80], q_lens=[1, 100, 1, 37])
+
+
+def _host_batch(kv_lens, q_lens, host=True):
+    batch, _ = _flashinfer_batch(len(kv_lens), 1)
+    t = sum(q_lens)
+    qsl = [0]
+    for n in q_lens:
+        qsl.append(qsl[-1] + n)
+    meta = BatchMeta.from_host(kv_lens, qsl) if host else None
+    return dataclasses.replace(batch, query=torch.empty(t, HQ, D, dtype=batch.query.dtype, device="meta"), host=meta)
+
+
+@pytest.mark.parametrize("kv_lens, q_lens", [pytest.param(MIXED["kv_lens"], MIXED["q_lens"], id="mixed"),
+                                             pytest.param([700, 64], [300, 64], id="prefill"),
+                                             pytest.param([700, 64, 1], [1, 1, 1], id="decode")])
+def test_checked_call_with_host_copy_reads_no_device_data(recorder, kv_lens, q_lens):
+    """check=True with ``batch.host``: validation uses the host lengths and the grid is
+    exact; no op brings device data to the host (the tensors are meta: a read would raise)."""
+    batch = _host_batch(kv_lens, q_lens)
+    reads = _DeviceReads()
+    with reads:
+        lams = [0.01, 0.0, 0.2, 0.1][:len(kv_lens)]                # a host list: copied to the device, not read back
+        out, skipped, visited = paged_attention(batch, LayerSpec(D ** -0.5), threshold=lams, return_counts=True,
+                                                impl="triton")
+        counts = paged_attention_counts(batch, LayerSpec(D ** -0.5), [0.0, 0.1], impl="triton")
+    assert reads.reads == []
+    assert out.device.type == skipped.device.type == counts[1].device.type == "meta"
+    assert len(recorder.plans) == 2
+    decode = max(q_lens) == 1
+    for plan in recorder.plans:
+        assert plan.phase == ("decode" if decode else "prefill")
+        if not decode:     # the exact grid: one program per query tile
+            block_m = _args(plan.calls[0])["BLOCK_M"]
+            assert plan.calls[0].grid[0] == sum(math.ceil(n / block_m) for n in q_lens)
+
+
+def test_checked_call_without_host_copy_reads_device_data():
+    """Control: the same call without ``batch.host`` copies the lengths to the host (the
+    recorder sees it; meta tensors then refuse), so the test above can fail."""
+    reads = _DeviceReads()
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        with reads:
+            paged_attention(_host_batch(**MIXED, host=False), LayerSpec(D ** -0.5), threshold=0.1, impl="triton")
+    assert reads.reads
+
+
+def test_full_check_with_host_copy_reads_the_block_table():
+    """``check="full"`` adds the block-id range check, a device reduction read on the host."""
+    reads = _DeviceReads()
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        with reads:
+            paged_attention(_host_batch(**MIXED), LayerSpec(D ** -0.5), threshold=0.1, impl="triton", check="full")
+    assert reads.reads == ["_local_scalar_dense.default"]

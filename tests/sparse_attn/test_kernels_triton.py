@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from sparse_attn.kernels import paged_attention, paged_attention_counts  # noqa: E402
+from sparse_attn.kernels import LayerSpec, paged_attention, paged_attention_counts  # noqa: E402
 
 from .test_kernels import _seq_alone, add_sink, make_batch  # noqa: E402
 
@@ -30,9 +30,10 @@ CASES = {
 }
 
 
-def _both(batch, **kw):
-    out_t = paged_attention(*batch, impl="triton", **kw)
-    out_c = paged_attention(*batch, impl="torch", **kw)
+def _both(batch, scale, causal=True, **kw):
+    spec = LayerSpec(scale, causal)
+    out_t = paged_attention(batch, spec, impl="triton", **kw)
+    out_c = paged_attention(batch, spec, impl="torch", **kw)
     return out_t, out_c
 
 
@@ -45,8 +46,8 @@ def test_triton_matches_torch(case):
     assert not dense_t.isnan().any()
     torch.testing.assert_close(dense_t, dense_c, atol=1e-5, rtol=1e-5)
     lams = [0.0, 0.05, 0.5]
-    out_t, sk_t, vis_t = paged_attention_counts(*batch, lams, scale=scale, impl="triton")
-    out_c, sk_c, vis_c = paged_attention_counts(*batch, lams, scale=scale, impl="torch")
+    out_t, sk_t, vis_t = paged_attention_counts(batch, LayerSpec(scale), lams, impl="triton")
+    out_c, sk_c, vis_c = paged_attention_counts(batch, LayerSpec(scale), lams, impl="torch")
     torch.testing.assert_close(out_t, out_c, atol=1e-5, rtol=1e-5)
     assert sk_t.tolist() == sk_c.tolist() and vis_t.tolist() == vis_c.tolist()
     (o_t, s_t, v_t), (o_c, s_c, v_c) = _both(batch, scale=scale, threshold=0.5, return_counts=True)
@@ -55,10 +56,12 @@ def test_triton_matches_torch(case):
 
 
 def test_triton_non_causal_and_bf16():
-    batch = make_batch([100, 30], [40, 1], 2, 1, 16, 16, dtype=torch.bfloat16, seed=2)
-    (o_t, s_t, _), (o_c, s_c, _) = _both(batch, scale=0.5, threshold=0.3, causal=False, return_counts=True)
+    batch = add_sink(make_batch([300, 30], [40, 1], 2, 1, 16, 16, dtype=torch.bfloat16, seed=2), strength=5.0)
+    (o_t, s_t, v_t), (o_c, s_c, v_c) = _both(batch, scale=0.5, threshold=0.3, causal=False, return_counts=True)
     assert o_t.dtype == torch.bfloat16
     torch.testing.assert_close(o_t.float(), o_c.float(), atol=2e-2, rtol=2e-2)
+    # Both score bf16 inputs in fp32 (the interpreter upcasts the dot): the same tiles skip.
+    assert s_t.tolist() == s_c.tolist() and v_t.tolist() == v_c.tolist() and int(s_c.sum()) > 0
 
 
 def test_triton_empty_sequences_no_nan():
@@ -87,16 +90,16 @@ def test_triton_per_sequence_lambda_equals_each_sequence_alone():
     batch = add_sink(make_batch([150, 5, 70, 90], [70, 1, 70, 1], 4, 2, 16, 16, layout="dim_major_k", seed=4))
     scale = 2.0 * 16 ** -0.5
     lams = [0.5, 0.0, 0.05, 0.3]
-    out, sk, vis = paged_attention(*batch, scale=scale, threshold=torch.tensor(lams), impl="triton",
+    out, sk, vis = paged_attention(batch, LayerSpec(scale), threshold=torch.tensor(lams), impl="triton",
                                    return_counts=True)
-    out_c, sk_c, vis_c = paged_attention(*batch, scale=scale, threshold=lams, impl="torch", return_counts=True)
+    out_c, sk_c, vis_c = paged_attention(batch, LayerSpec(scale), threshold=lams, impl="torch", return_counts=True)
     torch.testing.assert_close(out, out_c, atol=1e-5, rtol=1e-5)
     assert sk.tolist() == sk_c.tolist() and vis.tolist() == vis_c.tolist() and int(sk.sum()) > 0
     sk_sum, vis_sum = torch.zeros_like(sk), torch.zeros_like(vis)
     for s, lam in enumerate(lams):
-        o_s, sk_s, vis_s = paged_attention(*_seq_alone(batch, s), scale=scale, threshold=lam, impl="triton",
+        o_s, sk_s, vis_s = paged_attention(_seq_alone(batch, s), LayerSpec(scale), threshold=lam, impl="triton",
                                            return_counts=True)
-        a, b = int(batch[5][s]), int(batch[5][s + 1])
+        a, b = int(batch.query_start_loc[s]), int(batch.query_start_loc[s + 1])
         # A decode alone takes the split-KV decode launch (heads packed differently, a
         # log-sum-exp merge), the batch the prefill launch: equal up to fp32 rounding.
         torch.testing.assert_close(out[a:b], o_s, atol=1e-6, rtol=1e-6)
@@ -105,10 +108,10 @@ def test_triton_per_sequence_lambda_equals_each_sequence_alone():
     assert sk.tolist() == sk_sum.tolist() and vis.tolist() == vis_sum.tolist()
     # counting mode with [n, S] candidates predicts serving with those per-sequence lambdas
     per_seq = torch.tensor([[0.0] * 4, lams, [0.2, 0.01, 0.6, 0.05]])
-    out_n, skipped, vis_n = paged_attention_counts(*batch, per_seq, scale=scale, impl="triton")
-    _, skipped_c, _ = paged_attention_counts(*batch, per_seq, scale=scale, impl="torch")
+    out_n, skipped, vis_n = paged_attention_counts(batch, LayerSpec(scale), per_seq, impl="triton")
+    _, skipped_c, _ = paged_attention_counts(batch, LayerSpec(scale), per_seq, impl="torch")
     assert skipped.shape == (3, 4) and skipped.tolist() == skipped_c.tolist()
     assert skipped[0].tolist() == [0] * 4 and skipped[1].tolist() == sk.tolist()
     for j in range(3):
-        _, sk_j, _ = paged_attention(*batch, scale=scale, threshold=per_seq[j], impl="triton", return_counts=True)
+        _, sk_j, _ = paged_attention(batch, LayerSpec(scale), threshold=per_seq[j], impl="triton", return_counts=True)
         assert sk_j.tolist() == skipped[j].tolist()

@@ -9,6 +9,7 @@ splits; one case uses the default ``SPLIT_K``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -18,7 +19,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from sparse_attn.kernels import SPLIT_K, TILE_K, paged_attention, paged_attention_counts  # noqa: E402
+from sparse_attn.kernels import SPLIT_K, TILE_K, LayerSpec, paged_attention, paged_attention_counts  # noqa: E402
 
 from .kernel_reference import add_sink, make_batch, reference  # noqa: E402
 
@@ -41,7 +42,8 @@ LAMS = [0.0, 0.05, 0.4]
 
 def _device(batch):
     if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        return tuple(t.cuda() for t in batch)
+        return dataclasses.replace(batch, **{f: getattr(batch, f).cuda() for f in (
+            "query", "key_cache", "value_cache", "block_table", "seq_lens", "query_start_loc")})
     return batch
 
 
@@ -55,29 +57,29 @@ def test_triton_split_gqa_matches_float64_reference(case, dtype):
     batch = add_sink(make_batch(kv_lens, q_lens, hq, hkv, d, page, layout=layout, dtype=dt, seed=31))
     rule = {} if split_k is None else {"split_k": split_k}
     scale = 2.0 * d ** -0.5
-    ref0, _, ref_vis, ref_thr = reference(*batch, scale, thresholds=LAMS, **rule)
+    ref0, _, ref_vis, ref_thr = reference(batch, scale, thresholds=LAMS, **rule)
     args = _device(batch)
 
     # lambda = 0: the new kernel equals the float64 reference.
-    out0 = paged_attention(*args, scale=scale, impl="triton", **rule)
+    out0 = paged_attention(args, LayerSpec(scale), impl="triton", **rule)
     assert out0.dtype == dt and not out0.isnan().any()
     torch.testing.assert_close(out0.cpu().double(), ref0, **TOL[dt])
 
     # Counting mode: dense output, counts per candidate == serving skips under that lambda.
-    out_c, skipped, vis = paged_attention_counts(*args, LAMS, scale=scale, impl="triton", **rule)
+    out_c, skipped, vis = paged_attention_counts(args, LayerSpec(scale), LAMS, impl="triton", **rule)
     torch.testing.assert_close(out_c, out0, atol=0, rtol=0)
     assert vis.cpu().tolist() == ref_vis.tolist()
     assert skipped[0].cpu().tolist() == [0] * hq and int(skipped[-1].sum()) > 0
     for j, lam in list(enumerate(LAMS))[1:]:
-        o, sk, v = paged_attention(*args, scale=scale, threshold=lam, impl="triton", return_counts=True, **rule)
+        o, sk, v = paged_attention(args, LayerSpec(scale), threshold=lam, impl="triton", return_counts=True, **rule)
         assert sk.cpu().tolist() == skipped[j].cpu().tolist() and v.cpu().tolist() == vis.cpu().tolist()
         if j == len(LAMS) - 1:
-            ref_l = reference(*batch, scale, lam=lam, **rule)[0]
+            ref_l = reference(batch, scale, lam=lam, **rule)[0]
             torch.testing.assert_close(o.cpu().double(), ref_l, **TOL[dt])
     if dt == torch.float32:
         # fp32: the documented rule exactly, in both implementations.
         assert skipped.cpu().tolist() == ref_thr.tolist()
-        _, sk_torch, vis_torch = paged_attention_counts(*batch, LAMS, scale=scale, impl="torch", **rule)
+        _, sk_torch, vis_torch = paged_attention_counts(batch, LayerSpec(scale), LAMS, impl="torch", **rule)
         assert sk_torch.tolist() == ref_thr.tolist() and vis_torch.tolist() == ref_vis.tolist()
 
 
@@ -87,15 +89,15 @@ def test_triton_split_boundaries_are_in_the_counts():
     spanning it, the first tile of a later split is skippable against tile 0's maxima
     (split_k = TILE_K: every tile opens a split), and each count equals the reference."""
     batch = add_sink(make_batch([1100], [1], 4, 1, 16, 16, seed=5), strength=1.0)   # a weak sink: splits matter
-    ref_split = reference(*batch, 1.0, lam=0.5, split_k=256)[1]
-    ref_one = reference(*batch, 1.0, lam=0.5, split_k=2048)[1]
-    _, sk_split, _ = paged_attention(*batch, scale=1.0, threshold=0.5, return_counts=True, impl="triton",
+    ref_split = reference(batch, 1.0, lam=0.5, split_k=256)[1]
+    ref_one = reference(batch, 1.0, lam=0.5, split_k=2048)[1]
+    _, sk_split, _ = paged_attention(batch, LayerSpec(1.0), threshold=0.5, return_counts=True, impl="triton",
                                      split_k=256)
-    _, sk_one, _ = paged_attention(*batch, scale=1.0, threshold=0.5, return_counts=True, impl="triton",
+    _, sk_one, _ = paged_attention(batch, LayerSpec(1.0), threshold=0.5, return_counts=True, impl="triton",
                                    split_k=2048)
-    _, sk_tile, _ = paged_attention(*batch, scale=1.0, threshold=0.5, return_counts=True, impl="triton",
+    _, sk_tile, _ = paged_attention(batch, LayerSpec(1.0), threshold=0.5, return_counts=True, impl="triton",
                                     split_k=TILE_K)
-    ref_tile = reference(*batch, 1.0, lam=0.5, split_k=TILE_K)[1]
+    ref_tile = reference(batch, 1.0, lam=0.5, split_k=TILE_K)[1]
     assert sk_split.tolist() == ref_split.tolist() and sk_one.tolist() == ref_one.tolist()
     assert sk_tile.tolist() == ref_tile.tolist() and (sk_tile > 0).all()
     assert (sk_split <= sk_one).all() and int(sk_split.sum()) < int(sk_one.sum())
@@ -105,13 +107,14 @@ def test_per_sequence_lambda_in_split_decode():
     batch = add_sink(make_batch([500, 300, 90, 700], [1, 1, 1, 1], 8, 2, 16, 16, seed=8))
     scale = 2.0 * 16 ** -0.5
     lams = [0.3, 0.0, 0.05, 0.5]
-    out, sk, vis = paged_attention(*batch, scale=scale, threshold=torch.tensor(lams), impl="triton",
+    out, sk, vis = paged_attention(batch, LayerSpec(scale), threshold=torch.tensor(lams), impl="triton",
                                    return_counts=True, split_k=128)
     expect = torch.zeros(8, dtype=torch.int64)
     for s, lam in enumerate(lams):
-        one = (batch[0][s:s + 1], batch[1], batch[2], batch[3][s:s + 1], batch[4][s:s + 1],
-               torch.tensor([0, 1], dtype=torch.int32))
-        ref, ref_sk, _, _ = reference(*one, scale, lam=lam, split_k=128)
+        one = dataclasses.replace(batch, query=batch.query[s:s + 1], block_table=batch.block_table[s:s + 1],
+                                  seq_lens=batch.seq_lens[s:s + 1],
+                                  query_start_loc=torch.tensor([0, 1], dtype=torch.int32))
+        ref, ref_sk, _, _ = reference(one, scale, lam=lam, split_k=128)
         torch.testing.assert_close(out[s:s + 1].double(), ref, atol=2e-5, rtol=1e-5)
         expect += ref_sk
     assert sk.tolist() == expect.tolist() and int(sk.sum()) > 0
@@ -149,17 +152,18 @@ def test_unchecked_launch_equals_checked(case):
     kv_lens, q_lens, hq, hkv, d, page, max_q = CAPTURE_CASES[case]
     batch = add_sink(make_batch(kv_lens, q_lens, hq, hkv, d, page, seed=9))
     # A wider block table than needed, as vLLM's is (max_model_len / page columns).
-    q, k, v, bt, sl, qsl = batch
-    bt = torch.cat([bt, torch.full((bt.shape[0], 6), -1, dtype=bt.dtype)], 1)
-    scale = 2.0 * d ** -0.5
+    bt = batch.block_table
+    batch = dataclasses.replace(batch, block_table=torch.cat([bt, torch.full((bt.shape[0], 6), -1, dtype=bt.dtype)], 1))
+    spec = LayerSpec(2.0 * d ** -0.5)
     lam = torch.tensor([0.3, 0.0, 0.05, 0.5][:len(kv_lens)], dtype=torch.float32)
-    kw = dict(scale=scale, impl="triton", return_counts=True, split_k=128)
-    o1, s1, v1 = paged_attention(q, k, v, bt, sl, qsl, threshold=lam, **kw)
-    o2, s2, v2 = paged_attention(q, k, v, bt, sl, qsl, threshold=lam, check=False, max_query_len=max_q, **kw)
+    kw = dict(impl="triton", return_counts=True, split_k=128)
+    o1, s1, v1 = paged_attention(batch, spec, threshold=lam, **kw)
+    o2, s2, v2 = paged_attention(dataclasses.replace(batch, max_query_len=max_q), spec, threshold=lam, check=False,
+                                 **kw)
     torch.testing.assert_close(o2, o1, atol=0, rtol=0)
     assert s2.dtype == v2.dtype == torch.int64 and s2.shape == v2.shape == (hq,)
     assert s2.tolist() == s1.tolist() and v2.tolist() == v1.tolist() and int(s1.sum()) > 0
     # Without a query bound the grid covers T query rows per sequence: same result.
-    o3, s3, _ = paged_attention(q, k, v, bt, sl, qsl, threshold=lam, check=False, **kw)
+    o3, s3, _ = paged_attention(batch, spec, threshold=lam, check=False, **kw)
     torch.testing.assert_close(o3, o1, atol=1e-6, rtol=1e-6)
     assert s3.tolist() == s1.tolist()

@@ -237,3 +237,24 @@ def test_logging_configured_by_the_application_is_left_alone(clean_loggers):
     for name, level in (("sparse_attn", logging.NOTSET), ("compat", logging.WARNING)):
         log = logging.getLogger(name)
         assert log.handlers == [] and log.level == level and log.propagate
+
+
+def test_summary_says_which_cpu_kernel_serves(monkeypatch, tmp_path):
+    from sparse_attn.kernels import cpu_impl
+
+    model = Model([Impl()])
+    model.weight = torch.nn.Parameter(torch.zeros(1))  # on the CPU
+    monkeypatch.setenv("SPARSE_ATTN_CPU_KERNEL", "torch")
+    compat.reset_for_tests()
+    assert plugin.install(model, None, POLICY)["cpu_kernel"] == "torch (SPARSE_ATTN_CPU_KERNEL=torch)"
+    # auto without a compiler (and an empty cache): the torch kernel, and the summary says why
+    monkeypatch.setenv("SPARSE_ATTN_CPU_KERNEL", "auto")
+    monkeypatch.setenv("SPARSE_ATTN_CPU_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "/nowhere/c++")
+    monkeypatch.setattr(cpu_impl, "_state", {})
+    monkeypatch.setattr(cpu_impl, "_warned", set())
+    compat.reset_for_tests()
+    kernel = plugin.install(Model([Impl()]), None, POLICY)["cpu_kernel"]
+    assert kernel is None  # no weights on the CPU: no CPU kernel to name
+    kernel = plugin.install(model, None, POLICY)["cpu_kernel"]
+    assert kernel.startswith("torch (compiled kernel unavailable: ") and "/nowhere/c++" in kernel

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from sparse_attn.calibration.runner import PHASES, merge_worker_counts
-from sparse_attn.kernels import paged_attention_counts
+from sparse_attn.kernels import LayerSpec, PagedBatch, paged_attention_counts
 from sparse_attn.stats import WorkerStats
 
 HQ, HKV, D, PAGE = 8, 4, 32, 16
@@ -79,8 +79,8 @@ def _counts(phase: str, kv_heads: tuple[int, ...]) -> tuple[torch.Tensor, torch.
     idx = torch.tensor(list(kv_heads))
     # Head slices of the shared caches: strided views, as a rank's own cache would be.
     k_shard, v_shard = k[:, :, idx], v[:, :, idx]
-    _, skipped, visited = paged_attention_counts(q[:, q_heads], k_shard, v_shard, bt, seq_lens, qsl, CANDIDATES,
-                                                 scale=SCALE, impl="torch")
+    _, skipped, visited = paged_attention_counts(PagedBatch(q[:, q_heads], k_shard, v_shard, bt, seq_lens, qsl),
+                                                 LayerSpec(SCALE), CANDIDATES, impl="torch")
     n = len(CANDIDATES)
     return skipped.sum(dim=1), torch.full((n,), int(visited.sum()), dtype=torch.int64)
 

@@ -1,0 +1,105 @@
+"""Kernel level, on CPU: vLLM's own CPU attention vs our compiled kernel on the same paged cache.
+
+Needs an importable vLLM CPU build (e.g. ``.tox/engine0320/bin/python``).  One cpu-packed
+cache ``[blocks, Hkv, page, 2 * D]`` (fp32, page 128: what CPU_ATTN allocates), written with
+vLLM's own ``cpu_attn_reshape_and_cache``; vLLM reads it through its own views and scheduler
+metadata (``cpu_attn_get_scheduler_metadata``, ISA ``vec``), we through ``compat``'s views.
+Both outputs are compared (max abs difference), then timed interleaved, best of ``--repeats``,
+at ``--threads`` (vLLM's kernel uses OpenMP's thread count, ours ``torch.get_num_threads()``,
+the same runtime).  Ours runs dense (lambda 0) and at ~50 / ~75 % tile sparsity.
+
+    .tox/engine0320/bin/python benchmarks/bench_cpu_native.py --threads 1 --repeats 5
+
+Cases: SmolLM2-135M's attention (9 query / 3 KV heads, head 64): prefill 2k, an 8k prefill's
+last 2k chunk, decode 4 x 2k and 4 x 8k; the kernel benchmark's 8/2/128 prefill 16k chunk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+CASES = [  # name, sequences, KV length, query length, Hq, Hkv, D
+    ("smol-prefill-2k", 1, 2048, 2048, 9, 3, 64),
+    ("smol-prefill-8k-last-2k", 1, 8192, 2048, 9, 3, 64),
+    ("smol-decode-4x2k", 4, 2048, 1, 9, 3, 64),
+    ("smol-decode-4x8k", 4, 8192, 1, 9, 3, 64),
+    ("prefill-16k-chunk-1k", 1, 16384, 1024, 8, 2, 128),
+]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--only", default="", help="comma-separated case names: " + ",".join(c[0] for c in CASES))
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    from vllm import _custom_ops as ops  # noqa: E402  (loads vLLM's CPU kernels)
+
+    from bench_kernels import calibrate, make_inputs
+    from compat import layouts
+    from sparse_attn.kernels import LayerSpec, PagedBatch, cpu_impl, paged_attention
+
+    print(f"threads={a.threads} repeats={a.repeats} kernel={cpu_impl.status().describe()} "
+          f"load={'/'.join(f'{x:.1f}' for x in os.getloadavg())}\n")
+    print("| case | vLLM ms | ours dense ms | dense vs vLLM | ours ~50 % ms (sparsity) | ours ~75 % ms (sparsity) "
+          "| ~75 % vs vLLM | max abs diff dense vs vLLM |")
+    print("|---|---|---|---|---|---|---|---|")
+    keep = set(a.only.split(",")) if a.only else None
+    for name, n, kv_len, q_len, hq, hkv, d in CASES:
+        if keep and name not in keep:
+            continue
+        page = 128
+        src = make_inputs(n, kv_len, q_len, hq, hkv, d, page, torch.float32, "cpu")  # contiguous K/V to copy from
+        n_blocks = src.key_cache.shape[0]
+        kv = torch.zeros(n_blocks, hkv, page, 2 * d)
+        key_cache, value_cache = kv.view(n_blocks, hkv, 2 * page, d).chunk(2, dim=2)  # what CPU_ATTN hands its op
+        slots = (src.block_table.long()[:, :, None] * page + torch.arange(page)).view(n, -1)[:, :kv_len].reshape(-1)
+        tok_k = src.key_cache.view(-1, hkv, d)[slots]
+        tok_v = src.value_cache.view(-1, hkv, d)[slots]
+        ops.cpu_attn_reshape_and_cache(tok_k, tok_v, key_cache, value_cache, slots, "vec")
+        k_view, v_view = layouts.views("cpu-packed", kv, d, isa="vec")
+        batch = PagedBatch(src.query, k_view, v_view, src.block_table, src.seq_lens, src.query_start_loc)
+        scale = 1 / math.sqrt(d)
+        meta = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=n, num_heads=hq, num_kv_heads=hkv, head_dim=d, seq_lens=src.seq_lens, dtype=torch.float32,
+            query_start_loc=src.query_start_loc, causal=True, sliding_window_size=-1, isa="vec", enable_kv_split=True)
+        out_native = torch.empty_like(src.query)
+
+        def native():
+            ops.cpu_attention_with_kv_cache(
+                query=src.query, key_cache=key_cache, value_cache=value_cache, output=out_native,
+                query_start_loc=src.query_start_loc, seq_lens=src.seq_lens, scale=scale, causal=True, alibi_slopes=None,
+                sliding_window=-1, block_table=src.block_table, softcap=0.0, scheduler_metadata=meta, s_aux=None)
+
+        (pick50, pick75), grid, frac = calibrate(batch, scale, (0.5, 0.75), "compiled")
+        spec = LayerSpec(scale)
+        ours = [(lambda lam: lambda: paged_attention(batch, spec, threshold=lam, impl="compiled"))(lam)
+                for lam in (0.0, grid[pick50], grid[pick75])]
+        native()
+        diff = (ours[0]() - out_native).abs().max().item()
+        best = [math.inf] * 4
+        for _ in range(a.repeats):
+            for i, fn in enumerate([native] + ours):
+                t = time.perf_counter()
+                fn()
+                best[i] = min(best[i], time.perf_counter() - t)
+        ms = [x * 1e3 for x in best]
+        print(f"| {name} | {ms[0]:.2f} | {ms[1]:.2f} | {ms[0] / ms[1]:.2f}x | {ms[2]:.2f} ({frac[pick50]:.1%}) | "
+              f"{ms[3]:.2f} ({frac[pick75]:.1%}) | {ms[0] / ms[3]:.2f}x | {diff:.1e} |", flush=True)
+    print(f"\nload after: {'/'.join(f'{x:.1f}' for x in os.getloadavg())}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

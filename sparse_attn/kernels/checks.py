@@ -1,0 +1,268 @@
+"""Argument checks of a kernel call: the batch, the layer, the lambdas, the split length.
+
+Everything is checked before any work starts and raises ``ValueError`` naming what was
+seen and what was expected.  Device data is read on the host only where the caller
+allows it (``reads_device``): a checked call without a host copy of the batch, or
+``check="full"``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._common import SPLIT_K, TILE_K
+from .batch import BatchMeta, LayerSpec, PagedBatch
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: fp8 caches as vLLM stores them (a uint8 cache viewed as one of these).
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+CHECKS = (True, False, "full")
+
+
+def fail(what: str, seen, expected) -> None:
+    raise ValueError(f"paged_attention: {what}: got {seen}, expected {expected}")
+
+
+def check_split(split_k) -> int:
+    """``split_k`` (``None`` -> :data:`SPLIT_K`) as an int after checking it is a positive
+    multiple of ``TILE_K``."""
+    if split_k is None:
+        return SPLIT_K
+    if isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < TILE_K or split_k % TILE_K:
+        fail("split_k (KV positions per split of the skip rule)", repr(split_k),
+             f"a positive multiple of TILE_K={TILE_K} (default SPLIT_K={SPLIT_K})")
+    return split_k
+
+
+def effective_lambda(scale_factor, kv_len):
+    """The serving threshold of one sequence: ``lambda = scale_factor / kv_len`` (the
+    TensorRT-LLM / ModelOpt rule), and the one home of "this sequence runs dense".
+
+    A sequence runs dense (lambda 0, which skips nothing) when ``scale_factor`` is
+    ``None`` or ``kv_len <= 0``, or when lambda is not finite, ``<= 0`` or ``>= 1``:
+    ``lambda >= 1`` would skip every tile whose maximum is below the running maximum,
+    which no calibrated config asks for.
+
+    Host form: ``kv_len`` an int (tokens) -> a Python float.  Device form: ``kv_len`` a
+    tensor of KV lengths (any shape, dtype and device) -> float32 tensor of that shape,
+    computed in float64 like the host form; no host read (capture-safe).
+    """
+    if isinstance(kv_len, torch.Tensor):
+        if scale_factor is None:
+            return torch.zeros(kv_len.shape, dtype=torch.float32, device=kv_len.device)
+        lam = float(scale_factor) / kv_len.to(torch.float64)
+        dense = ~((lam > 0) & (lam < 1))          # also nan, inf (kv_len 0) and negative lengths
+        return torch.where(dense, torch.zeros_like(lam), lam).to(torch.float32)
+    if scale_factor is None or kv_len <= 0:
+        return 0.0
+    lam = float(scale_factor) / kv_len
+    return lam if 0 < lam < 1 else 0.0
+
+
+def _lambda_values(value, name: str, reads_device: bool) -> torch.Tensor:
+    """``value`` (a number, nested lists of numbers, or a tensor) as a float32 tensor,
+    every element checked finite and >= 0 unless it is device data that may not be read."""
+    if isinstance(value, torch.Tensor):
+        if not (value.is_floating_point() or value.dtype in _INDEX_DTYPES):
+            fail(f"{name} dtype", value.dtype, "a floating-point or integer tensor")
+        if value.device.type != "cpu" and not reads_device:
+            return value.to(torch.float32)       # the caller's responsibility (capture / host-meta path)
+        vals = value.detach().to("cpu", torch.float64)
+        bad = ~torch.isfinite(vals) | (vals < 0)
+        if bool(bad.any()):
+            idx = tuple(int(i) for i in bad.nonzero()[0])
+            fail(f"{name}{list(idx)} (lambda) out of range", float(vals[idx]), "a finite float >= 0")
+        return value.to(torch.float32)
+    if isinstance(value, (list, tuple)):
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+            vals = torch.tensor(value, dtype=torch.float64)     # one tensor, not one per element
+            bad = ~torch.isfinite(vals) | (vals < 0)
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0])
+                fail(f"{name}[{i}] (lambda) out of range", value[i], "a finite float >= 0")
+            return vals.to(torch.float32)
+        rows = [_lambda_values(v, f"{name}[{i}]", reads_device) for i, v in enumerate(value)]
+        if len({tuple(r.shape) for r in rows}) > 1:
+            fail(f"{name} is ragged", [tuple(r.shape) for r in rows], "rows of one length")
+        return torch.stack(rows) if rows else torch.zeros(0)
+    if isinstance(value, bool):
+        fail(f"{name} is not a number", repr(value), "a float >= 0")
+    try:
+        lam = float(value)
+    except (TypeError, ValueError):
+        fail(f"{name} is not a number", repr(value), "a float >= 0")
+    if not math.isfinite(lam) or lam < 0:
+        fail(f"{name} (lambda) out of range", lam, "a finite float >= 0")
+    return torch.tensor(lam, dtype=torch.float32)
+
+
+def lambdas(value, num_seqs: int, *, candidates: bool = False, reads_device: bool = True,
+            device: torch.device | str = "cpu") -> torch.Tensor:
+    """The one normaliser of skip thresholds, as a float32 tensor on ``device``.
+
+    Serving (``candidates=False``): ``None`` (dense), a number or a 0-d tensor (every
+    sequence), or ``S`` values (one per sequence) -> ``[S]``.  Counting candidates
+    (``candidates=True``): ``n`` values (the same for every sequence) -> ``[n, S]``, or
+    ``[n, S]`` (candidate ``j``'s lambda for sequence ``s``).  Every lambda must be finite
+    and >= 0 (0 = dense); a tensor on another device than the CPU is checked for shape
+    and dtype only when ``reads_device`` is false (its values are then the caller's
+    responsibility: nothing is read on the host).
+    """
+    name = "thresholds" if candidates else "threshold"
+    if value is None and not candidates:
+        return torch.zeros(num_seqs, dtype=torch.float32, device=device)
+    lam = _lambda_values(value, name, reads_device)
+    if candidates:
+        if lam.dim() == 1:
+            lam = lam[:, None].expand(-1, num_seqs)
+        elif lam.dim() != 2 or lam.shape[1] != num_seqs:
+            fail(f"{name} must be [num_thresholds] or [num_thresholds, num_seqs={num_seqs}]", tuple(lam.shape),
+                 "one candidate list for every sequence, or one lambda per (candidate, sequence)")
+    elif lam.dim() == 0:
+        if lam.device.type == "cpu":
+            # A fill on the device, not a copy: safe under graph capture (the value is baked in).
+            return torch.full((num_seqs,), float(lam), dtype=torch.float32, device=device)
+        lam = lam.expand(num_seqs)
+    elif lam.shape != (num_seqs,):
+        fail(f"{name} must be a number or one lambda per sequence", tuple(lam.shape),
+             f"a float or shape [num_seqs] = [{num_seqs}]")
+    return _to(lam, device).contiguous()     # kernels index lambdas as dense arrays
+
+
+def _to(t: torch.Tensor, device) -> torch.Tensor:
+    """``t`` on ``device``; a host tensor bound for a GPU goes through pinned memory
+    (an asynchronous copy that does not wait for the stream)."""
+    device = torch.device(device)
+    if t.device == device:
+        return t
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.contiguous().pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _check_tensors(batch: PagedBatch) -> None:
+    """Ranks, shapes, dtypes and devices: no data read."""
+    fields = ("query", "key_cache", "value_cache", "block_table", "seq_lens", "query_start_loc")
+    for name in fields:
+        if not isinstance(getattr(batch, name), torch.Tensor):
+            fail(f"{name} is not a tensor", type(getattr(batch, name)).__name__, "torch.Tensor")
+    query, key_cache, value_cache = batch.query, batch.key_cache, batch.value_cache
+    if query.dim() != 3:
+        fail("query rank", tuple(query.shape), "[num_tokens, num_q_heads, head_dim]")
+    for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if c.dim() != 4:
+            fail(f"{name} rank", tuple(c.shape), "[num_blocks, page_size, num_kv_heads, head_dim]")
+    if key_cache.shape != value_cache.shape:
+        fail("key_cache/value_cache shapes differ", (tuple(key_cache.shape), tuple(value_cache.shape)),
+             "identical logical shapes")
+    _, hq, d = query.shape
+    _, page_size, hkv, dk = key_cache.shape
+    if page_size < 1:
+        fail("page_size (key_cache.shape[1])", page_size, ">= 1")
+    if dk != d:
+        fail("head size mismatch between query and KV cache", f"query D={d}, cache D={dk}", "equal head sizes")
+    if hkv == 0 or hq % hkv != 0:
+        fail("num_q_heads is not a multiple of num_kv_heads", f"Hq={hq}, Hkv={hkv}", "Hq % Hkv == 0")
+    if query.dtype not in _FLOAT_DTYPES:
+        fail("query dtype", query.dtype, "float32, bfloat16 or float16")
+    for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if c.dtype != query.dtype:
+            fail(f"{name} dtype differs from query dtype", c.dtype, query.dtype)
+    for name in ("block_table", "seq_lens", "query_start_loc"):
+        if getattr(batch, name).dtype not in _INDEX_DTYPES:
+            fail(f"{name} dtype", getattr(batch, name).dtype, "torch.int32 or torch.int64")
+    for name in fields[1:]:
+        if getattr(batch, name).device != query.device:
+            fail(f"{name} device differs from query device", getattr(batch, name).device, query.device)
+    if batch.seq_lens.dim() != 1:
+        fail("seq_lens rank", tuple(batch.seq_lens.shape), "[num_seqs]")
+    num_seqs = batch.num_seqs
+    if batch.query_start_loc.shape != (num_seqs + 1,):
+        fail("query_start_loc shape", tuple(batch.query_start_loc.shape), f"[num_seqs + 1] = [{num_seqs + 1}]")
+    if batch.block_table.dim() != 2 or batch.block_table.shape[0] != num_seqs:
+        fail("block_table shape", tuple(batch.block_table.shape), f"[num_seqs={num_seqs}, max_blocks]")
+
+
+def check_spec(spec: LayerSpec) -> None:
+    if not isinstance(spec, LayerSpec):
+        fail("spec", type(spec).__name__, "a sparse_attn.kernels.LayerSpec")
+    try:
+        scale = float(spec.scale)
+    except (TypeError, ValueError):
+        fail("scale is not a number", repr(spec.scale), "a finite float")
+    if not math.isfinite(scale):
+        fail("scale", scale, "a finite float")
+
+
+def _check_host(batch: PagedBatch, meta: BatchMeta) -> None:
+    """The host lengths against each other and the tensor shapes."""
+    num_seqs, num_tokens = batch.num_seqs, batch.query.shape[0]
+    if not isinstance(meta, BatchMeta):
+        fail("host (the batch's host copy)", type(meta).__name__, "a BatchMeta or None")
+    if len(meta.seq_lens) != num_seqs or len(meta.q_lens) != num_seqs:
+        fail("host has another number of sequences than seq_lens", len(meta.seq_lens), num_seqs)
+    lens, q_lens = meta.seq_lens, meta.q_lens
+    if any(n < 0 for n in lens):
+        fail("negative seq_lens", list(lens), "lengths >= 0")
+    if num_seqs and meta.q_starts[0] != 0:
+        fail("query_start_loc[0]", meta.q_starts[0], 0)
+    if any(n < 0 for n in q_lens):
+        fail("query_start_loc is not non-decreasing (negative query length)",
+             list(meta.q_starts) + [meta.num_tokens], "non-decreasing offsets")
+    if meta.num_tokens != num_tokens:
+        fail("query_start_loc[-1] differs from the number of query tokens", meta.num_tokens, num_tokens)
+    bad = [s for s in range(num_seqs) if q_lens[s] > lens[s]]
+    if bad:
+        s = bad[0]
+        fail(f"query length exceeds KV length for sequence {s}", f"q_len={q_lens[s]}, kv_len={lens[s]}",
+             "q_len <= kv_len (queries are the last q_len KV positions)")
+    page = batch.page_size
+    need = [(n + page - 1) // page for n in lens]
+    if num_seqs and max(need) > batch.block_table.shape[1]:
+        s = max(range(num_seqs), key=lambda i: need[i])
+        fail(f"block_table too narrow for sequence {s}", f"{batch.block_table.shape[1]} columns",
+             f">= {need[s]} blocks for kv_len={lens[s]} at page_size={page}")
+
+
+def _check_block_ids(batch: PagedBatch, meta: BatchMeta) -> None:
+    """Every block id a sequence uses is in range: a device reduction and one host read."""
+    bt, page = batch.block_table, batch.page_size
+    if not batch.num_seqs:
+        return
+    need = torch.tensor([(n + page - 1) // page for n in meta.seq_lens], device=bt.device)
+    used = torch.arange(bt.shape[1], device=bt.device)[None, :] < need[:, None]
+    out_of_range = used & ((bt < 0) | (bt >= batch.key_cache.shape[0]))
+    if bool(out_of_range.any()):
+        s, j = (int(x) for x in out_of_range.nonzero()[0])
+        fail(f"block_table[{s}, {j}] out of range", int(bt[s, j]), f"a block id in [0, {batch.key_cache.shape[0]})")
+
+
+def validate(batch: PagedBatch, spec: LayerSpec, out: torch.Tensor | None, check) -> BatchMeta:
+    """Check every argument before any work; return the batch's host lengths.
+
+    With ``batch.host`` nothing on the device is read unless ``check == "full"`` (which
+    adds the block-id range check); without it ``seq_lens`` / ``query_start_loc`` are
+    copied to the host once and the block ids are checked.
+    """
+    if check not in CHECKS:
+        fail("check", repr(check), "True, False or 'full'")
+    if not isinstance(batch, PagedBatch):
+        fail("batch", type(batch).__name__, "a sparse_attn.kernels.PagedBatch")
+    _check_tensors(batch)
+    check_spec(spec)
+    query = batch.query
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or out.shape != query.shape or out.dtype != query.dtype \
+                or out.device != query.device:
+            seen = (tuple(out.shape), out.dtype, out.device) if isinstance(out, torch.Tensor) else type(out).__name__
+            fail("out", seen, (tuple(query.shape), query.dtype, query.device))
+    meta = batch.host
+    if meta is None:
+        meta = BatchMeta.from_host(batch.seq_lens.cpu(), batch.query_start_loc.cpu())
+    _check_host(batch, meta)
+    if batch.host is None or check == "full":
+        _check_block_ids(batch, meta)
+    return meta

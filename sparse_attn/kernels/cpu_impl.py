@@ -1,0 +1,247 @@
+"""Compiled CPU implementation of skip-softmax paged attention (``csrc/skip_attn_cpu.cpp``).
+
+Same contract as :func:`sparse_attn.kernels.torch_impl.forward` (arguments, outputs, counts),
+the same tile geometry and skip rule (``_common``), over the same zero-copy cache views with
+any strides.  The library is compiled on first use (:mod:`.cpu_build`); :func:`status` says
+whether it is available here and why not; :func:`cpu_kernel` is the one rule that picks the
+CPU kernel (``impl="auto"`` in :mod:`sparse_attn.kernels.api`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from . import cpu_build
+from ._common import SPLIT_K, TILE_K
+from .batch import BatchMeta, LayerSpec, PagedBatch
+
+logger = logging.getLogger("sparse_attn")
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+#: Cache dtypes: the query's, or an fp8 cache (dequantised with the layer's k/v scales).
+_KV_DTYPES = {**_DTYPES, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
+
+
+class _Call(ctypes.Structure):
+    """Mirror of ``struct SaCall`` in csrc/skip_attn_cpu.cpp (same order, same C types)."""
+
+    _fields_ = [
+        ("abi", ctypes.c_int32), ("dtype", ctypes.c_int32), ("kv_dtype", ctypes.c_int32),
+        ("num_seqs", ctypes.c_int32), ("num_q_heads", ctypes.c_int32), ("num_kv_heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32), ("page_size", ctypes.c_int32),
+        ("causal", ctypes.c_int32), ("window", ctypes.c_int32), ("split_tiles", ctypes.c_int32),
+        ("num_threads", ctypes.c_int32), ("num_counts", ctypes.c_int32), ("bt_is64", ctypes.c_int32),
+        ("sl_is64", ctypes.c_int32), ("qsl_is64", ctypes.c_int32),
+        ("scale", ctypes.c_float), ("soft_cap", ctypes.c_float), ("v_scale", ctypes.c_float),
+        ("q", ctypes.c_void_p), ("q_st", ctypes.c_int64), ("q_sh", ctypes.c_int64), ("q_sd", ctypes.c_int64),
+        ("out", ctypes.c_void_p), ("o_st", ctypes.c_int64), ("o_sh", ctypes.c_int64), ("o_sd", ctypes.c_int64),
+        ("k", ctypes.c_void_p), ("k_sb", ctypes.c_int64), ("k_st", ctypes.c_int64), ("k_sh", ctypes.c_int64),
+        ("k_sd", ctypes.c_int64),
+        ("v", ctypes.c_void_p), ("v_sb", ctypes.c_int64), ("v_st", ctypes.c_int64), ("v_sh", ctypes.c_int64),
+        ("v_sd", ctypes.c_int64),
+        ("bt", ctypes.c_void_p), ("bt_s0", ctypes.c_int64), ("bt_s1", ctypes.c_int64),
+        ("seq_lens", ctypes.c_void_p), ("qsl", ctypes.c_void_p), ("sl_s", ctypes.c_int64), ("qsl_s", ctypes.c_int64),
+        ("lam", ctypes.c_void_p), ("count_lam", ctypes.c_void_p),
+        ("sink_logits", ctypes.c_void_p), ("skipped", ctypes.c_void_p), ("visited", ctypes.c_void_p),
+    ]
+
+
+@dataclass(frozen=True)
+class Status:
+    """Whether the compiled kernel serves in this process: ``available``, and either its
+    ``target`` (``avx2`` / ``generic``) / ``path`` / ``build_s`` (seconds this process spent
+    compiling; None = cached) or the ``reason`` it is not available."""
+
+    available: bool
+    target: str | None = None
+    path: str | None = None
+    build_s: float | None = None
+    reason: str | None = None
+
+    def describe(self) -> str:
+        if not self.available:
+            return f"torch (compiled kernel unavailable: {self.reason})"
+        how = "cached" if self.build_s is None else f"built in {self.build_s:.1f} s"
+        return f"compiled ({self.target}, {how}, {self.path})"
+
+
+_state: dict = {}
+_state_lock = threading.Lock()
+
+
+def status() -> Status:
+    """Build or load the library once per process; never raises."""
+    if "status" not in _state:
+        with _state_lock:
+            if "status" not in _state:
+                try:
+                    built = cpu_build.load()
+                    _state["lib"] = built.lib
+                    _state["status"] = Status(True, built.target, str(built.path), built.build_s)
+                except (cpu_build.CpuKernelUnavailable, OSError) as exc:
+                    _state["status"] = Status(False, reason=str(exc))
+    return _state["status"]
+
+
+def reset_for_tests() -> None:
+    """Forget this process's build/load result (the next :func:`status` loads again)."""
+    with _state_lock:
+        _state.clear()
+
+
+def supports(batch: PagedBatch) -> bool:
+    """Shapes the compiled kernel takes: head sizes that are a multiple of 8 (every head size
+    vLLM's CPU attention accepts is), float32 / bfloat16 / float16 queries with a cache of
+    the same dtype or fp8 (e4m3 / e5m2), CPU tensors."""
+    query, key_cache = batch.query, batch.key_cache
+    return query.device.type == "cpu" and query.dtype in _DTYPES and query.shape[-1] % 8 == 0 \
+        and (key_cache.dtype == query.dtype or key_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2))
+
+
+_warned: set[str] = set()
+
+
+def cpu_kernel(batch: PagedBatch | None = None) -> str:
+    """The one rule that picks the kernel for CPU tensors (``impl="auto"``): ``"compiled"`` or ``"torch"``.
+
+    ``SPARSE_ATTN_CPU_KERNEL=torch`` -> torch; ``=compiled`` -> compiled (raises
+    ``CpuKernelUnavailable`` when it cannot be built here, ``ValueError`` for shapes it does
+    not take); ``=auto`` (default) -> compiled when it builds or loads here (:func:`status`,
+    once per process) and takes the batch (:func:`supports`), else torch, with one warning line
+    per process when the build is what failed.  Without a batch: the answer for shapes the
+    compiled kernel takes.
+    """
+    from compat import envs
+
+    choice = envs.get("SPARSE_ATTN_CPU_KERNEL")
+    if choice == "torch":
+        return "torch"
+    if choice == "compiled":
+        require(batch)
+        return "compiled"
+    st = status()
+    if not st.available:
+        if "unavailable" not in _warned:
+            _warned.add("unavailable")
+            logger.warning("sparse-attn: compiled CPU kernel unavailable (%s); the torch kernel serves. Fix: install a "
+                           "C++ compiler (g++ or clang++) or point CXX at one; SPARSE_ATTN_CPU_KERNEL=torch silences "
+                           "this", st.reason)
+        return "torch"
+    return "compiled" if batch is None or supports(batch) else "torch"
+
+
+def require(batch: PagedBatch | None = None) -> None:
+    """Raise unless the compiled kernel is available here and takes ``batch``."""
+    st = status()
+    if not st.available:
+        raise cpu_build.CpuKernelUnavailable(
+            f"paged_attention: the compiled CPU kernel was asked for (impl='compiled' or SPARSE_ATTN_CPU_KERNEL="
+            f"compiled) but is unavailable: {st.reason}. Fix: install a C++ compiler or set CXX, or use "
+            f"SPARSE_ATTN_CPU_KERNEL=auto / torch")
+    if batch is not None and not supports(batch):
+        q = batch.query
+        raise ValueError(f"paged_attention: the compiled CPU kernel takes CPU fp32/bf16/fp16 queries (cache: the same "
+                         f"dtype or fp8) with a head size that is a multiple of 8, got {q.dtype} / "
+                         f"{batch.key_cache.dtype} on {q.device}, head size {q.shape[-1]}; use impl='torch' (or "
+                         f"SPARSE_ATTN_CPU_KERNEL=auto)")
+
+
+def describe() -> str:
+    """Which kernel serves CPU tensors in this process and why, for the plugin's install line
+    (builds or loads the compiled kernel, once; raises like :func:`cpu_kernel` when
+    ``SPARSE_ATTN_CPU_KERNEL=compiled`` cannot be honoured)."""
+    from compat import envs
+
+    choice = envs.get("SPARSE_ATTN_CPU_KERNEL")
+    if cpu_kernel() == "torch":
+        return "torch (SPARSE_ATTN_CPU_KERNEL=torch)" if choice == "torch" else status().describe()
+    return status().describe() + (" (SPARSE_ATTN_CPU_KERNEL=compiled)" if choice == "compiled" else "")
+
+
+def forward(
+    batch: PagedBatch,
+    spec: LayerSpec,
+    meta: BatchMeta,
+    *,
+    threshold: torch.Tensor,
+    count_thresholds: torch.Tensor | None,
+    out: torch.Tensor,
+    split_k: int = SPLIT_K,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The backend contract of :mod:`sparse_attn.kernels.api`: fill ``out`` [T, Hq, D] and
+    return ``(out, skipped int64 [n, Hq] | None, visited int64 [Hq] | None)`` for
+    ``threshold`` (float32 ``[S]``, 0 = dense) and ``count_thresholds`` (float32 ``[n, S]``
+    or None).  The layer features of ``_common``'s rule come as keywords until the
+    ``LayerSpec`` carries them: ``sliding_window`` (tokens, causal only), ``logits_soft_cap``,
+    ``sinks`` (``[Hq]`` logits, denominator only), fp8 caches (``float8_e4m3fn`` /
+    ``float8_e5m2``) with ``k_scale`` / ``v_scale``.
+
+    Needs :func:`status` ``().available`` and :func:`supports`; threads: ``torch.get_num_threads()``.
+    """
+    lib = _state.get("lib")
+    if lib is None:
+        require()
+        lib = _state["lib"]
+    query, key_cache, value_cache, block_table = batch.query, batch.key_cache, batch.value_cache, batch.block_table
+    num_seqs, hq = batch.num_seqs, batch.num_q_heads
+    # The lengths are read from the batch's own CPU tensors (meta is their host copy).
+    seq_lens, qsl = _index_tensor(batch.seq_lens), _index_tensor(batch.query_start_loc)
+    lam = threshold.to("cpu", torch.float32).contiguous()
+    n_counts = 0 if count_thresholds is None else int(count_thresholds.shape[0])
+    count_lam = None if count_thresholds is None else count_thresholds.to("cpu", torch.float32).contiguous()
+    skipped = torch.zeros(n_counts, hq, dtype=torch.int64)
+    visited = torch.zeros(hq, dtype=torch.int64)
+    bt = block_table if block_table.dtype in (torch.int32, torch.int64) else block_table.long()
+    sinks_f32 = None if sinks is None else sinks.detach().to("cpu", torch.float32).contiguous()
+    c = _Call()
+    c.abi = cpu_build.ABI_VERSION
+    c.dtype = _DTYPES[query.dtype]
+    c.kv_dtype = _KV_DTYPES[key_cache.dtype]
+    c.num_seqs, c.num_q_heads, c.num_kv_heads = num_seqs, hq, batch.num_kv_heads
+    c.head_dim, c.page_size = batch.head_dim, batch.page_size
+    c.causal, c.window = int(spec.causal), int(sliding_window or 0)
+    c.split_tiles, c.num_threads = split_k // TILE_K, torch.get_num_threads()
+    c.num_counts, c.bt_is64 = n_counts, int(bt.dtype == torch.int64)
+    c.sl_is64, c.qsl_is64 = int(seq_lens.dtype == torch.int64), int(qsl.dtype == torch.int64)
+    c.scale, c.soft_cap, c.v_scale = float(spec.scale) * float(k_scale), float(logits_soft_cap or 0.0), float(v_scale)
+    c.q = query.data_ptr()
+    c.q_st, c.q_sh, c.q_sd = query.stride()
+    c.out = out.data_ptr()
+    c.o_st, c.o_sh, c.o_sd = out.stride()
+    c.k = key_cache.data_ptr()
+    c.k_sb, c.k_st, c.k_sh, c.k_sd = key_cache.stride()
+    c.v = value_cache.data_ptr()
+    c.v_sb, c.v_st, c.v_sh, c.v_sd = value_cache.stride()
+    c.bt = bt.data_ptr()
+    c.bt_s0, c.bt_s1 = bt.stride()
+    c.seq_lens, c.sl_s = seq_lens.data_ptr(), seq_lens.stride(0)
+    c.qsl, c.qsl_s = qsl.data_ptr(), qsl.stride(0)
+    c.lam = lam.data_ptr()
+    c.count_lam = None if count_lam is None else count_lam.data_ptr()
+    c.sink_logits = None if sinks_f32 is None else sinks_f32.data_ptr()
+    c.skipped = skipped.data_ptr()
+    c.visited = visited.data_ptr()
+    rc = lib.sa_forward(ctypes.byref(c))
+    if rc:
+        raise RuntimeError(f"sparse_attn CPU kernel failed (code {rc}: "
+                           f"{ {1: 'CPU lacks the ISA it was built for', 2: 'bad call', 3: 'out of memory'}.get(rc)})")
+    if count_thresholds is None:
+        return out, None, None
+    return out, skipped, visited
+
+
+def _index_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a CPU int32/int64 tensor the kernel can read in place (any stride)."""
+    if t.device.type != "cpu" or t.dtype not in (torch.int32, torch.int64):
+        t = t.to("cpu", torch.int64)
+    return t

@@ -1,0 +1,587 @@
+// Skip-softmax (BLASST) paged attention on CPU: the rule of sparse_attn/kernels/_common.py,
+// compiled.  Plain C++17 + OpenMP with a C ABI (called through ctypes by cpu_impl.py), no
+// torch headers: the build takes seconds instead of the ~1 min that <torch/extension.h>
+// costs, and needs neither ninja nor the Python headers.  OpenMP pragmas bind to the
+// libgomp torch already loaded (same SONAME; vLLM's CPU worker even LD_PRELOADs it), so
+// the kernel runs on the threads torch and vLLM configured.
+//
+// Work decomposition (one "item" per thread at a time, dynamic schedule, longest first):
+//   item = (sequence, query tile of <= TILE_Q rows, KV head, a run of that KV head's query
+//   heads).  The rows of the item are (head-in-run, row) ordered, so one K/V tile read
+//   serves every query head of the GQA group (the packing; vLLM's own vec kernel packs
+//   only when 8 is a multiple of the group, so SmolLM2's group of 3 reads K/V once per
+//   query head there).  Measured, 1 thread, 9/3/64 heads, CPU time: decode 4 x 8k 5.1 ms
+//   packed vs 8.6 ms with one query head per item (memory-bound: 3x the K/V reads); prefill
+//   2k 74.5 vs 74.9 ms (compute-bound).  Each head's rows are one contiguous block: a head whose tile is
+//   skipped leaves its block out of exp and P.V, and the V tile is not read at all when
+//   every head of the item skips it.  The item walks its KV tiles in order (tile-major
+//   inner loop: Q, S and O of the item stay in L2 while K/V stream) with the rule's dense
+//   running max (restarted from the anchor's maxima at every later split) and one
+//   online-softmax accumulator: splits are an evaluation order in the rule, so one pass
+//   over all tiles gives the same result.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <new>
+#include <type_traits>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(SA_PROFILE)
+#include <x86intrin.h>
+#endif
+
+#include "sa_kernels.h"
+
+using namespace sa;
+
+namespace {
+
+constexpr int kAbiVersion = 3;
+constexpr int TILE_Q = 64;  // must equal _common.TILE_Q
+// Rows per item: 4 heads x 64 rows x D 64-128 keeps Q, S and O (3 x M x D fp32, <= 384 KiB)
+// inside the 1 MiB L2 of the machine this was tuned on; larger GQA groups get several items.
+constexpr int ITEM_ROWS = 256;
+// Items with fewer rows use the one-row kernels (qk_wide / pv_wide): decode 8 x 16k with
+// 8/2/128 heads (4 rows) went from 37.5 to 25.2 ms, 4 x 8k with 9/3/64 from 7.8 to 5.2 ms.
+constexpr int WIDE_ROWS = 6;
+// Lazy rescale: the exp reference of a row only moves when a tile's max exceeds it by more
+// than this many nats (exp(8) cannot overflow fp32); exact, the reference cancels in O / l.
+constexpr float RESCALE_SLACK = 8.0f;
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+constexpr float POS_INF = std::numeric_limits<float>::infinity();
+
+// -DSA_PROFILE (benchmarks/profile_cpu_kernel.py): cycles per phase of run_item, per thread,
+// read back with sa_profile().  Without it the macros are empty.
+enum Phase { P_Q, P_KPREP, P_QK, P_MASK_MAX, P_RULE, P_EXP, P_VPREP, P_PV, P_OUT, P_COUNT };
+#if defined(SA_PROFILE)
+thread_local uint64_t g_prof[P_COUNT];
+std::atomic<uint64_t> g_prof_total[P_COUNT];
+#define PROF_START uint64_t prof_t = __rdtsc();
+#define PROF(phase)                   \
+  do {                                \
+    uint64_t prof_n = __rdtsc();      \
+    g_prof[phase] += prof_n - prof_t; \
+    prof_t = prof_n;                  \
+  } while (0)
+#else
+#define PROF_START
+#define PROF(phase) \
+  do {              \
+  } while (0)
+#endif
+
+}  // namespace
+
+extern "C" {
+// Mirrored field by field by cpu_impl._Call (ctypes).  Strides are in elements.
+struct SaCall {
+  int32_t abi;
+  int32_t dtype;     // query / out: 0 fp32, 1 bf16, 2 fp16
+  int32_t kv_dtype;  // caches: 0 fp32, 1 bf16, 2 fp16, 3 float8_e4m3fn, 4 float8_e5m2
+  int32_t num_seqs, num_q_heads, num_kv_heads, head_dim, page_size;
+  int32_t causal, window, split_tiles, num_threads, num_counts, bt_is64, sl_is64, qsl_is64;
+  float scale;     // softmax scale times the K dequantisation scale
+  float soft_cap;  // 0: none
+  float v_scale;   // V dequantisation scale (1 for unquantised caches)
+  const void* q;
+  int64_t q_st, q_sh, q_sd;
+  void* out;
+  int64_t o_st, o_sh, o_sd;
+  const void* k;
+  int64_t k_sb, k_st, k_sh, k_sd;
+  const void* v;
+  int64_t v_sb, v_st, v_sh, v_sd;
+  const void* bt;
+  int64_t bt_s0, bt_s1;
+  const void* seq_lens;     // [num_seqs] KV lengths (stride sl_s), int32 or int64
+  const void* qsl;          // [num_seqs + 1] query offsets (stride qsl_s), int32 or int64
+  int64_t sl_s, qsl_s;
+  const float* lam;         // [num_seqs] serving lambdas, or null (dense)
+  const float* count_lam;   // [num_counts, num_seqs] candidate lambdas, or null
+  const float* sink_logits;  // [num_q_heads] learned sink logits, or null
+  int64_t* skipped;         // [num_counts, num_q_heads], added to
+  int64_t* visited;         // [num_q_heads], each added to (the count is the same for every head)
+};
+}
+
+namespace {
+
+struct Item {
+  int32_t seq, qtile, kvh, h0, nh;
+  int64_t cost;
+};
+
+struct Scratch {
+  std::vector<float> q, s, o, rowmax, mref, l, mdense, seed, kbuf, vbuf;
+  void reserve(int M, int D) {
+    auto grow = [](std::vector<float>& b, size_t n) {
+      if (b.size() < n) b.resize(n);
+    };
+    grow(q, size_t(M) * D);
+    grow(s, size_t(M) * TILE_K);
+    grow(o, size_t(M) * D);
+    grow(rowmax, M);
+    grow(mref, M);
+    grow(l, M);
+    grow(mdense, M);
+    grow(seed, M);
+    grow(kbuf, size_t(TILE_K) * D);
+    grow(vbuf, size_t(TILE_K) * D);
+  }
+};
+
+struct Counts {
+  std::vector<int64_t> skipped;
+  int64_t visited = 0;
+};
+
+inline int64_t block_at(const SaCall& c, int s, int64_t col) {
+  if (c.bt_is64) return static_cast<const int64_t*>(c.bt)[s * c.bt_s0 + col * c.bt_s1];
+  return static_cast<const int32_t*>(c.bt)[s * c.bt_s0 + col * c.bt_s1];
+}
+
+// Where positions pos0 .. pos0+n-1 of sequence s live: block id and offset in the page of
+// each, walking the block table with one division per tile instead of one per position.
+struct TileSlots {
+  int64_t blk[TILE_K];
+  int32_t off[TILE_K];
+  void fill(const SaCall& c, int s, int64_t pos0, int n) {
+    int64_t col = pos0 / c.page_size;
+    int32_t o = int32_t(pos0 - col * c.page_size);
+    int64_t b = block_at(c, s, col);
+    for (int j = 0; j < n; ++j) {
+      blk[j] = b;
+      off[j] = o;
+      if (++o == c.page_size && j + 1 < n) {
+        o = 0;
+        b = block_at(c, s, ++col);
+      }
+    }
+  }
+};
+
+// Row i of an item sees KV positions [lo(i), hi(i)]: hi = lim0 + i (causal) or kv - 1; lo =
+// hi - window + 1 (sliding window, causal only) or 0.
+struct Rows {
+  int64_t lim0, kv;
+  int32_t window;
+  bool causal;
+  int64_t hi(int i) const { return causal ? lim0 + i : kv - 1; }
+  int64_t lo(int i) const { return window > 0 ? std::max<int64_t>(0, hi(i) - window + 1) : 0; }
+};
+
+// Query rows -> scaled fp32 rows, and fp32 rows -> output rows, in the query's dtype (a
+// runtime switch per item: templating run_item on it too doubled the compile time).
+template <typename T>
+void load_q_rows(const SaCall& c, const Item& it, int64_t row0, int nr, float* Q) {
+  const T* q = static_cast<const T*>(c.q);
+  const int D = c.head_dim, g = c.num_q_heads / c.num_kv_heads;
+  for (int hh = 0; hh < it.nh; ++hh) {
+    const int64_t head = int64_t(it.kvh) * g + it.h0 + hh;
+    for (int i = 0; i < nr; ++i) {
+      const T* src = q + (row0 + i) * c.q_st + head * c.q_sh;
+      float* dst = Q + size_t(hh * nr + i) * D;
+      for (int d = 0; d < D; ++d) dst[d] = to_f32(src[d * c.q_sd]) * c.scale;
+    }
+  }
+}
+
+template <typename T>
+void store_out_rows(const SaCall& c, const Item& it, int64_t row0, int nr, const float* O, const float* l,
+                    const float* mref) {
+  T* out = static_cast<T*>(c.out);
+  const int D = c.head_dim, g = c.num_q_heads / c.num_kv_heads;
+  for (int hh = 0; hh < it.nh; ++hh) {
+    const int64_t head = int64_t(it.kvh) * g + it.h0 + hh;
+    for (int i = 0; i < nr; ++i) {
+      const int r = hh * nr + i;
+      const float denom = l[r] + (c.sink_logits ? std::exp(c.sink_logits[head] - mref[r]) : 0.0f);
+      const float inv = denom > 0.0f ? c.v_scale / denom : 0.0f;
+      const float* o = O + size_t(r) * D;
+      T* dst = out + (row0 + i) * c.o_st + head * c.o_sh;
+      for (int d = 0; d < D; ++d) from_f32(o[d] * inv, dst + d * c.o_sd);
+    }
+  }
+}
+
+// One item.  KVT: cache type.  KD / VD: an fp32 cache's K / V read in place; every other
+// cache type and layout is converted into the fp32 gather buffers.
+template <typename KVT, bool KD, bool VD>
+void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc, Counts& cnt, bool test) {
+  static_assert(!(KD || VD) || std::is_same<KVT, float>::value, "only fp32 caches are read in place");
+  const int D = c.head_dim, g = c.num_q_heads / c.num_kv_heads, S = c.num_seqs;
+  const int s = it.seq, kvh = it.kvh;
+  const int64_t kv = info[s], qs = info[S + s], ql = info[2 * S + s];
+  const int r0 = it.qtile * TILE_Q;
+  const int nr = int(std::min<int64_t>(TILE_Q, ql - r0));
+  const int nh = it.nh, M = nh * nr;
+  const Rows rows{c.causal ? kv - ql + r0 : kv - 1, kv, c.causal ? c.window : 0, c.causal != 0};
+  // Visited tiles first .. last: from the first position the first row sees to the last
+  // position the last row sees.  The anchor (tile first) is never skipped and seeds splits.
+  const int first_tile = int(rows.lo(0) / TILE_K), last_tile = int(rows.hi(nr - 1) / TILE_K);
+  const int64_t lo_last = rows.lo(nr - 1), hi_first = rows.hi(0);
+  float* Q = sc.q.data();
+  float* Sb = sc.s.data();
+  float* O = sc.o.data();
+  float *rowmax = sc.rowmax.data(), *mref = sc.mref.data(), *l = sc.l.data();
+  float *mdense = sc.mdense.data(), *seed = sc.seed.data();
+
+  PROF_START
+  switch (c.dtype) {
+    case 1: load_q_rows<bf16_t>(c, it, qs + r0, nr, Q); break;
+    case 2: load_q_rows<f16_t>(c, it, qs + r0, nr, Q); break;
+    default: load_q_rows<float>(c, it, qs + r0, nr, Q); break;
+  }
+  std::fill(O, O + size_t(M) * D, 0.0f);
+  std::fill(l, l + M, 0.0f);
+  std::fill(mref, mref + M, NEG_INF);
+
+  const float lam_s = c.lam ? c.lam[s] : 0.0f;
+  const bool count_here = c.num_counts > 0;
+  const KVT* kh = static_cast<const KVT*>(c.k) + int64_t(kvh) * c.k_sh;  // this KV head's K and V
+  const KVT* vh = static_cast<const KVT*>(c.v) + int64_t(kvh) * c.v_sh;
+  const float* kpanel[TILE_K / PANEL];
+  int64_t ldk;
+  const float* vrows[TILE_K];
+  bool keep[ITEM_ROWS];
+  TileSlots ts;
+  const bool wide = M < WIDE_ROWS;
+  PROF(P_Q);
+
+  for (int t = first_tile; t <= last_tile; ++t) {
+    const int64_t pos0 = int64_t(t) * TILE_K;
+    const int ntok = int(std::min<int64_t>(TILE_K, kv - pos0));
+    const int npanel = (ntok + PANEL - 1) / PANEL;
+    ts.fill(c, s, pos0, ntok);
+    // ---- K as 16-position panels of D rows
+    if (KD) {  // fp32, dim-major, 16-aligned pages: in place
+      ldk = c.k_sd;
+      for (int p = 0; p < npanel; ++p)
+        kpanel[p] = reinterpret_cast<const float*>(kh + ts.blk[p * PANEL] * c.k_sb + ts.off[p * PANEL] * c.k_st);
+    } else {
+      float* kb = sc.kbuf.data();
+      ldk = TILE_K;
+      if (c.k_st == 1 && c.page_size % PANEL == 0) {  // dim-major runs of 16 positions
+        for (int p = 0; p < npanel; ++p) {
+          const KVT* src = kh + ts.blk[p * PANEL] * c.k_sb + ts.off[p * PANEL];
+          for (int d = 0; d < D; ++d) convert_run(src + d * c.k_sd, kb + d * TILE_K + p * PANEL, PANEL);
+        }
+      } else {
+        for (int j = 0; j < ntok; ++j) {
+          const KVT* src = kh + ts.blk[j] * c.k_sb + ts.off[j] * c.k_st;
+          for (int d = 0; d < D; ++d) kb[d * TILE_K + j] = to_f32(src[d * c.k_sd]);
+        }
+        for (int d = 0; d < D; ++d)
+          for (int j = ntok; j < npanel * PANEL; ++j) kb[d * TILE_K + j] = 0.0f;
+      }
+      for (int p = 0; p < npanel; ++p) kpanel[p] = kb + p * PANEL;
+    }
+    PROF(P_KPREP);
+    // ---- S = (scale Q) K^T, [M, 64]; panels past the sequence end are -inf
+    if (wide && npanel == TILE_K / PANEL) {
+      for (int r = 0; r < M; ++r) qk_wide(Q + size_t(r) * D, kpanel, ldk, D, Sb + size_t(r) * TILE_K);
+    } else {
+      for (int rb = 0; rb < M; rb += MR) {
+        const int R = std::min(MR, M - rb);
+        for (int p = 0; p < npanel; ++p)
+          qk_rows(R, Q + size_t(rb) * D, D, kpanel[p], ldk, D, Sb + size_t(rb) * TILE_K + p * PANEL, TILE_K);
+        if (npanel * PANEL < TILE_K)
+          for (int r = rb; r < rb + R; ++r)
+            std::fill(Sb + size_t(r) * TILE_K + npanel * PANEL, Sb + size_t(r + 1) * TILE_K, NEG_INF);
+      }
+    }
+    if (c.soft_cap > 0.0f) {  // logit = cap tanh(x / cap); masked positions are overwritten below
+      const V8 inv = set1(1.0f / c.soft_cap), cap = set1(c.soft_cap);
+      for (int r = 0; r < M; ++r)
+        for (int j = 0; j < npanel * PANEL; j += 8) {
+          float* x = Sb + size_t(r) * TILE_K + j;
+          store8(x, mul(cap, tanh8(mul(load8(x), inv))));
+        }
+    }
+    PROF(P_QK);
+    // ---- mask positions a row does not see (causal diagonal, window start, sequence end)
+    if (pos0 + TILE_K - 1 > hi_first || pos0 < lo_last) {
+      for (int i = 0; i < nr; ++i) {
+        const int vis_lo = int(std::max<int64_t>(0, std::min<int64_t>(TILE_K, rows.lo(i) - pos0)));
+        const int vis_hi = std::max(vis_lo, int(std::max<int64_t>(0, std::min<int64_t>(TILE_K, rows.hi(i) - pos0 + 1))));
+        if (vis_lo == 0 && vis_hi == TILE_K) continue;
+        for (int hh = 0; hh < nh; ++hh) {
+          float* row = Sb + size_t(hh * nr + i) * TILE_K;
+          std::fill(row, row + vis_lo, NEG_INF);
+          std::fill(row + vis_hi, row + TILE_K, NEG_INF);
+        }
+      }
+    }
+    // ---- per-row tile maxima
+    for (int r = 0; r < M; ++r) {
+      const float* row = Sb + size_t(r) * TILE_K;
+      V8 m = vmax(vmax(load8(row), load8(row + 8)), vmax(load8(row + 16), load8(row + 24)));
+      m = vmax(m, vmax(vmax(load8(row + 32), load8(row + 40)), vmax(load8(row + 48), load8(row + 56))));
+      rowmax[r] = hmax(m);
+    }
+    PROF(P_MASK_MAX);
+    // ---- the skip rule (per head: every valid row of the query tile votes)
+    for (int hh = 0; hh < nh; ++hh) keep[hh] = true;
+    if (test) {
+      if (t == first_tile) {  // the anchor: never skipped, its maxima are the seed
+        std::copy(rowmax, rowmax + M, seed);
+        std::copy(rowmax, rowmax + M, mdense);
+      } else {
+        if (t % c.split_tiles == 0) std::copy(seed, seed + M, mdense);  // a later split opens
+        for (int hh = 0; hh < nh; ++hh) {
+          float diff = NEG_INF;  // max over voting rows of tile_max - m_before
+          for (int r = hh * nr; r < (hh + 1) * nr; ++r) {
+            if (rowmax[r] == NEG_INF) continue;  // the row sees nothing of this tile: no vote
+            diff = std::max(diff, mdense[r] == NEG_INF ? POS_INF : rowmax[r] - mdense[r]);
+          }
+          // max over rows of exp(.) = exp of the max: exp is monotonic.
+          const float ratio = std::exp(diff);
+          if (count_here) {
+            int64_t* sk = cnt.skipped.data() + int64_t(kvh) * g + it.h0 + hh;
+            for (int j = 0; j < c.num_counts; ++j)
+              if (ratio < c.count_lam[int64_t(j) * S + s]) sk[int64_t(j) * c.num_q_heads] += 1;
+          }
+          keep[hh] = !(ratio < lam_s);
+        }
+        for (int r = 0; r < M; ++r) mdense[r] = std::max(mdense[r], rowmax[r]);
+      }
+      if (count_here && kvh == 0 && it.h0 == 0) cnt.visited += 1;
+    }
+    PROF(P_RULE);
+    // ---- exp and row sums of the kept heads' rows
+    bool any = false;
+    for (int hh = 0; hh < nh; ++hh) {
+      if (!keep[hh]) continue;
+      any = true;
+      for (int r = hh * nr; r < (hh + 1) * nr; ++r) {
+        float* row = Sb + size_t(r) * TILE_K;
+        if (rowmax[r] == NEG_INF) {  // nothing visible (a window starting later): P = 0
+          std::fill(row, row + TILE_K, 0.0f);
+          continue;
+        }
+        if (rowmax[r] > mref[r] + RESCALE_SLACK) {
+          const float alpha = std::exp(mref[r] - rowmax[r]);  // 0 on the row's first tile
+          mref[r] = rowmax[r];
+          l[r] *= alpha;
+          float* o = O + size_t(r) * D;
+          for (int d = 0; d < D; ++d) o[d] *= alpha;
+        }
+        const V8 m = set1(mref[r]);
+        V8 sum = zero8();
+        for (int j = 0; j < TILE_K; j += 8) {
+          V8 p = exp8(sub(load8(row + j), m));
+          store8(row + j, p);
+          sum = add(sum, p);
+        }
+        l[r] += hsum(sum);
+      }
+    }
+    PROF(P_EXP);
+    if (!any) continue;  // no head keeps the tile: V is not read
+    // ---- V rows (token-major)
+    if (VD) {
+      for (int j = 0; j < ntok; ++j) vrows[j] = reinterpret_cast<const float*>(vh + ts.blk[j] * c.v_sb + ts.off[j] * c.v_st);
+    } else {
+      float* vb = sc.vbuf.data();
+      for (int j = 0; j < ntok; ++j) {
+        const KVT* src = vh + ts.blk[j] * c.v_sb + ts.off[j] * c.v_st;
+        if (c.v_sd == 1) {
+          convert_run(src, vb + j * D, D);
+        } else {
+          for (int d = 0; d < D; ++d) vb[j * D + d] = to_f32(src[d * c.v_sd]);
+        }
+        vrows[j] = vb + j * D;
+      }
+    }
+    PROF(P_VPREP);
+    // ---- O += P V for the kept heads' rows
+    for (int hh = 0; hh < nh; ++hh) {
+      if (!keep[hh]) continue;
+      if (wide) {
+        for (int r = hh * nr; r < (hh + 1) * nr; ++r) pv_wide(Sb + size_t(r) * TILE_K, vrows, ntok, D, O + size_t(r) * D);
+        continue;
+      }
+      for (int rb = hh * nr; rb < (hh + 1) * nr; rb += MR) {
+        const int R = std::min(MR, (hh + 1) * nr - rb);
+        const float* P = Sb + size_t(rb) * TILE_K;
+        float* o = O + size_t(rb) * D;
+        int col = 0;
+        for (; col + 16 <= D; col += 16) pv_rows_w<2>(R, P, TILE_K, vrows, ntok, col, o, D);
+        if (col < D) pv_rows_w<1>(R, P, TILE_K, vrows, ntok, col, o, D);
+      }
+    }
+    PROF(P_PV);
+  }
+  // ---- out = v_scale O / (l + exp(sink - m)) in the query dtype
+  switch (c.dtype) {
+    case 1: store_out_rows<bf16_t>(c, it, qs + r0, nr, O, l, mref); break;
+    case 2: store_out_rows<f16_t>(c, it, qs + r0, nr, O, l, mref); break;
+    default: store_out_rows<float>(c, it, qs + r0, nr, O, l, mref); break;
+  }
+  PROF(P_OUT);
+}
+
+inline int64_t index_at(const void* p, int is64, int64_t i) {
+  return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<const int32_t*>(p)[i];
+}
+
+template <typename KVT>
+int run(const SaCall& c) {
+  const int S = c.num_seqs, g = c.num_q_heads / c.num_kv_heads;
+  // [3, S]: KV length, first query row, query length of each sequence (read from the host
+  // tensors themselves: no Python-side copy per call).
+  std::vector<int64_t> info(3 * size_t(S));
+  for (int s = 0; s < S; ++s) {
+    const int64_t a = index_at(c.qsl, c.qsl_is64, s * c.qsl_s), b = index_at(c.qsl, c.qsl_is64, (s + 1) * c.qsl_s);
+    info[s] = index_at(c.seq_lens, c.sl_is64, s * c.sl_s);
+    info[S + s] = a;
+    info[2 * S + s] = b - a;
+  }
+  std::vector<Item> items;
+  for (int s = 0; s < S; ++s) {
+    const int64_t kv = info[s], ql = info[2 * S + s];
+    if (ql <= 0) continue;
+    const int nq = int((ql + TILE_Q - 1) / TILE_Q);
+    for (int qt = 0; qt < nq; ++qt) {
+      const int nr = int(std::min<int64_t>(TILE_Q, ql - int64_t(qt) * TILE_Q));
+      const int hp = std::max(1, std::min(g, ITEM_ROWS / nr));
+      const Rows rows{c.causal ? kv - ql + int64_t(qt) * TILE_Q : kv - 1, kv, c.causal ? c.window : 0, c.causal != 0};
+      const int64_t tiles = rows.hi(nr - 1) / TILE_K - rows.lo(0) / TILE_K + 1;
+      for (int kvh = 0; kvh < c.num_kv_heads; ++kvh)
+        for (int h0 = 0; h0 < g; h0 += hp) {
+          const int nh = std::min(hp, g - h0);
+          items.push_back({s, qt, kvh, h0, nh, tiles * nh * nr});
+        }
+    }
+  }
+  if (items.empty()) return 0;
+  // Longest first, then handed out one at a time: causal prefills make items very unequal.
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  bool test = c.num_counts > 0;
+  if (c.lam)
+    for (int s = 0; s < S && !test; ++s) test = c.lam[s] > 0.0f;
+  // An fp32 cache is read in place where K is dim-major (the cpu-packed page) with pages
+  // holding whole 16-position panels, and where V is token-major.
+  const bool f32 = std::is_same<KVT, float>::value;
+  const bool kdirect = f32 && c.k_st == 1 && c.page_size % PANEL == 0;
+  const bool vdirect = f32 && c.v_sd == 1;
+  int max_rows = 0;
+  for (const Item& it : items) max_rows = std::max(max_rows, it.nh * TILE_Q);
+  const int nthreads = std::max(1, std::min<int>(c.num_threads, int(items.size())));
+  const int nitems = int(items.size());
+  std::atomic<int> next(0);
+  std::atomic<int> status(0);
+  const size_t ncount = size_t(c.num_counts) * c.num_q_heads;
+
+  auto body = [&](Counts& cnt) {
+    try {
+      thread_local Scratch sc;
+      sc.reserve(max_rows, c.head_dim);
+      cnt.skipped.assign(ncount, 0);
+      for (int i = next.fetch_add(1); i < nitems; i = next.fetch_add(1)) {
+        const Item& it = items[i];
+        if constexpr (std::is_same<KVT, float>::value) {
+          if (kdirect && vdirect) run_item<KVT, true, true>(c, info.data(), it, sc, cnt, test);
+          else if (kdirect) run_item<KVT, true, false>(c, info.data(), it, sc, cnt, test);
+          else if (vdirect) run_item<KVT, false, true>(c, info.data(), it, sc, cnt, test);
+          else run_item<KVT, false, false>(c, info.data(), it, sc, cnt, test);
+        } else {
+          run_item<KVT, false, false>(c, info.data(), it, sc, cnt, test);
+        }
+      }
+    } catch (const std::bad_alloc&) {
+      status.store(3);
+    }
+#if defined(SA_PROFILE)
+    for (int i = 0; i < P_COUNT; ++i) {
+      g_prof_total[i] += g_prof[i];
+      g_prof[i] = 0;
+    }
+#endif
+  };
+  std::vector<Counts> counts(nthreads);
+  if (nthreads == 1) {
+    body(counts[0]);
+  } else {
+#pragma omp parallel num_threads(nthreads)
+    {
+#ifdef _OPENMP
+      body(counts[omp_get_thread_num()]);
+#else
+      body(counts[0]);
+#endif
+    }
+  }
+  if (status.load()) return status.load();
+  for (const Counts& cnt : counts) {
+    for (size_t i = 0; i < cnt.skipped.size(); ++i) c.skipped[i] += cnt.skipped[i];
+    if (c.visited)
+      for (int h = 0; h < c.num_q_heads; ++h) c.visited[h] += cnt.visited;
+  }
+  return 0;
+}
+
+
+}  // namespace
+
+extern "C" {
+
+int sa_abi_version() { return kAbiVersion; }
+
+const char* sa_isa() {
+#if defined(SA_AVX2)
+  return "avx2";
+#else
+  return "generic";
+#endif
+}
+
+// 0: ok; 1: this build's ISA is not available on the running CPU; 2: bad call (ABI
+// mismatch, unsupported dtype or head size); 3: out of memory.
+int sa_forward(const SaCall* c) {
+  if (!c || c->abi != kAbiVersion || c->head_dim % 8 || c->num_kv_heads <= 0 || c->split_tiles <= 0 ||
+      c->num_q_heads % c->num_kv_heads)
+    return 2;
+#if defined(SA_AVX2)
+  if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))) return 1;
+#endif
+  // An unquantised cache has the query's dtype; an fp8 one goes with any query dtype.
+  if (c->dtype < 0 || c->dtype > 2 || (c->kv_dtype < 3 && c->kv_dtype != c->dtype) || c->kv_dtype > 4) return 2;
+  try {
+    switch (c->kv_dtype) {
+      case 0: return run<float>(*c);
+      case 1: return run<bf16_t>(*c);
+      case 2: return run<f16_t>(*c);
+      case 3: return run<e4m3_t>(*c);
+      default: return run<e5m2_t>(*c);
+    }
+  } catch (const std::bad_alloc&) {
+    return 3;
+  }
+}
+
+// Cycles per phase (Phase order) summed over threads since the last reset; 0 without SA_PROFILE.
+void sa_profile(uint64_t* out, int reset) {
+  for (int i = 0; i < P_COUNT; ++i) {
+#if defined(SA_PROFILE)
+    out[i] = reset ? g_prof_total[i].exchange(0) : g_prof_total[i].load();
+#else
+    (void)reset;
+    out[i] = 0;
+#endif
+  }
+}
+
+// The kernel's vector exp / tanh on n floats (n % 8 == 0), for the accuracy tests.
+void sa_exp(const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i + 8 <= n; i += 8) store8(y + i, exp8(load8(x + i)));
+}
+void sa_tanh(const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i + 8 <= n; i += 8) store8(y + i, tanh8(load8(x + i)));
+}
+
+}  // extern "C"
