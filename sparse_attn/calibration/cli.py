@@ -58,6 +58,22 @@ LIMITS: Mapping[str, int] = {"--calib_samples": 4096, "--num_candidates": 256, "
                              "--decode_tokens": 1 << 24}
 #: ``--seed`` range: vLLM seeds numpy, which takes 0 <= seed < 2**32.
 SEED_RANGE = (0, 2 ** 32 - 1)
+#: ``--calib_min_seqlen`` when not given (the parser's default).
+DEFAULT_CALIB_MIN_SEQLEN = 1024
+#: Room kept in each length bin for the answer and the decode steps beyond ``--decode_tokens`` (task prompts).
+TASK_PROMPT_MARGIN = 40
+
+
+def default_lengths(model_config: Mapping[str, Any]) -> list[int]:
+    """The length bins ``sparse-attn calibrate`` uses without ``--calib_max_seqlen`` / ``--calib_min_seqlen``
+    (descending): ``sparse-attn eval`` scores the same lengths by default, so that the two commands with their
+    defaults see the same prompt mix (sparsity at one threshold moves with prompt length, README)."""
+    from compat.launch import model_length_limit
+    from sparse_attn.calibration.synthetic import length_bins
+
+    limit = model_length_limit(model_config)
+    top = min(DEFAULT_CALIB_MAX_SEQLEN, limit[0]) if limit is not None else DEFAULT_CALIB_MAX_SEQLEN
+    return length_bins(top, min(DEFAULT_CALIB_MIN_SEQLEN, top))
 
 
 @dataclass(frozen=True)
@@ -233,6 +249,7 @@ def _check_args(args) -> _Plan:
             check_checkpoint_update(ckpt)
         except ExportError as exc:
             raise CliError(f"--update_checkpoint_config: {exc}") from None
+    _calib_tasks(args)
     plot_prefix, plot_paths = _check_plot(args)
     output = _check_output(args, ckpt, plot_paths)
     extra = _parse_engine_kwargs(args.engine_kwargs)
@@ -262,17 +279,34 @@ def _load_user_samples(args, plan: _Plan) -> list[CalibrationSample] | None:
     return samples
 
 
+def _calib_tasks(args) -> list[str]:
+    """``--calib_tasks`` as a list (every eval kind when not given); refused unless ``--calib_set tasks``."""
+    from sparse_attn.evaluation.tasks import EVAL_TASKS
+
+    raw = getattr(args, "calib_tasks", None)
+    if raw is None:
+        return list(EVAL_TASKS)
+    if getattr(args, "calib_set", "synthetic") != "tasks" or args.calib_data_dir or args.prompts_file:
+        raise CliError("--calib_tasks chooses kinds of the built-in task prompts; it needs --calib_set tasks and no "
+                       "--calib_data_dir / --prompts_file")
+    kinds = [k.strip() for k in raw.split(",") if k.strip()]
+    if not kinds or (unknown := [k for k in kinds if k not in EVAL_TASKS]):
+        raise CliError(f"--calib_tasks {shorten(raw, 80)!r}: unknown or empty; choose from {', '.join(EVAL_TASKS)}")
+    return list(dict.fromkeys(kinds))
+
+
 def _task_samples(args, plan: _Plan, tokenizer) -> list[CalibrationSample]:
     """``--calib_set tasks``: the eval's kinds of prompt (chat-wrapped when the tokenizer has a template),
     from calibration's own random stream, ``--calib_samples`` of them round-robin over kinds and length bins."""
     from sparse_attn.calibration.synthetic import length_bins
-    from sparse_attn.evaluation.tasks import EVAL_TASKS, build_samples
+    from sparse_attn.evaluation.tasks import build_samples
 
+    kinds = _calib_tasks(args)
     bins = length_bins(plan.calib_max_seqlen, min(args.calib_min_seqlen, plan.calib_max_seqlen))
-    per_cell = -(-args.calib_samples // (len(EVAL_TASKS) * len(bins)))
-    built = build_samples(tokenizer, tasks=EVAL_TASKS, lengths=bins, per_cell=per_cell, seed=args.seed,
-                          reserve=args.decode_tokens + 40, stream="calib")
-    order = sorted(built, key=lambda s: (s.index, bins.index(s.length), EVAL_TASKS.index(s.task)))
+    per_cell = -(-args.calib_samples // (len(kinds) * len(bins)))
+    built = build_samples(tokenizer, tasks=kinds, lengths=bins, per_cell=per_cell, seed=args.seed,
+                          reserve=args.decode_tokens + TASK_PROMPT_MARGIN, stream="calib")
+    order = sorted(built, key=lambda s: (s.index, bins.index(s.length), kinds.index(s.task)))
     return [CalibrationSample(prompt_token_ids=s.prompt_token_ids, task=s.task, target_len=s.length,
                               num_tokens=len(s.prompt_token_ids)) for s in order[:args.calib_samples]]
 

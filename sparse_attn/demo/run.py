@@ -137,10 +137,10 @@ def _calibrate(args, ckpt: Path, report_path: Path, log_path: Path) -> dict:
         "--output", str(report_path),
         "--update_checkpoint_config",
     ]
-    if args.model != "tiny":
-        # The held-out prompts are the eval's kinds (natural-text needles, QA, ...), whose sparsity at one
-        # threshold differs from the synthetic generator's noise-heavy kinds by up to 25 points (README).
-        cmd += ["--calib_set", "tasks"]
+    # SmolLM2's held-out prompts are the eval's kinds (natural-text needles, QA, ...), whose sparsity at one
+    # threshold differs from the synthetic generator's noise-heavy kinds by up to 25 points (README); the
+    # tiny model's are the synthetic generator's at another seed.
+    cmd += ["--calib_set", "synthetic" if args.model == "tiny" else "tasks"]
     _say("    " + " ".join(cmd[1:]))
     echo = ("calibrate:", "fit ", "wrote ", "updated ", "calibration took", "sparse-attn calibrate: error")
     with open(log_path, "w") as log:
@@ -172,12 +172,13 @@ def _eval_samples(ckpt: Path, args) -> list:
     """Held-out eval tasks with known answers at the two calibrated lengths (bin top and half)."""
     from transformers import AutoTokenizer
 
+    from sparse_attn.calibration.cli import TASK_PROMPT_MARGIN
     from sparse_attn.evaluation.tasks import build_samples
 
     tok = AutoTokenizer.from_pretrained(str(ckpt))
     lengths = sorted({max(512, args.calib_max_seqlen // 2), args.calib_max_seqlen})
     return build_samples(tok, tasks=DEMO_TASKS, lengths=lengths, per_cell=DEMO_PER_CELL, seed=args.seed,
-                         reserve=args.decode_tokens + 8)
+                         reserve=args.decode_tokens + TASK_PROMPT_MARGIN)
 
 
 def _eval_prompts(ckpt: Path, args) -> list[list[int]]:
@@ -304,10 +305,10 @@ def _report(args, calib: dict, sparse: dict, dense: dict, stages: _Stages, sampl
         f"position-wise, {prefix}/{total} in the common prefix; first token equal in {first}/{len(d_tok)} requests",
         "sparse layers per worker: " + ", ".join(f"{i}/{t}" for i, t in sparse["layers"]),
         "wall time: " + ", ".join(f"{name} {s:.1f} s" for name, s in stages.times.items()) + f"; total {stages.total:.1f} s",
-        f"files: {Path(args.workdir).resolve()} (ckpt/, calibration.json, *.log)",
+        f"files: {Path(args.workdir).resolve()} (ckpt/, calibration.json, {'demo-outputs.json, ' if samples else ''}*.log)",
     ]
     if samples:
-        lines[2:2] = ["", _accuracy_table(samples, sparse, dense, a_tok, d_tok)]
+        lines[3:3] = ["", _accuracy_table(samples, sparse, dense, a_tok, d_tok)]
     return "\n".join(lines), problems
 
 
@@ -327,9 +328,15 @@ def _accuracy_table(samples, sparse: dict, dense: dict, a_tok, d_tok) -> str:
         tot = [tot[0] + d, tot[1] + a, tot[2] + len(idx), tot[3] + eq, tot[4] + n_tok]
     rows.append(["all", str(tot[2]), f"{100 * tot[0] / tot[2]:.0f}%", f"{100 * tot[1] / tot[2]:.0f}%", f"{tot[3]}/{tot[4]}"])
     lengths = sorted({s.length for s in samples})
+    right = {task: sum(found(dense["texts"][i], samples[i]) == 1.0 for i in idx) for task, idx in cells.items()}
+    can = [f"{t} ({right[t]}/{len(cells[t])})" for t in cells if 2 * right[t] > len(cells[t])]
+    cannot = [f"{t} ({right[t]}/{len(cells[t])})" for t in cells if 2 * right[t] <= len(cells[t])]
+    note = ("dense gets these right (their sparse column measures what skipping costs): " + (", ".join(can) or "none")
+            + "\ndense fails these at this model size (a sparse score there says nothing about sparsity): "
+            + (", ".join(cannot) or "none"))
     return ("=== accuracy on held-out tasks (answers found in the greedy output; prompts of "
             f"{' and '.join(map(str, lengths))} tokens; `sparse-attn eval` gives CIs and log-likelihoods) ===\n"
-            + _table(rows, ["task", "prompts", "dense", "sparse", "tokens equal to dense"]))
+            + _table(rows, ["task", "prompts", "dense", "sparse", "tokens equal to dense"]) + "\n" + note)
 
 
 def demo(args) -> int:
@@ -379,6 +386,10 @@ def demo(args) -> int:
     text, problems = _report(args, calib, sparse, dense, stages, samples)
     _say(text)
     (work / "demo-report.txt").write_text(text + "\n")
+    if samples:  # every held-out prompt's answer and both outputs, for a reader who wants to see them
+        (work / "demo-outputs.json").write_text(json.dumps([
+            {"task": s.task, "prompt_tokens": len(s.prompt_token_ids), "answers": list(s.answers),
+             "dense": dense["texts"][i], "sparse": sparse["texts"][i]} for i, s in enumerate(samples)], indent=1) + "\n")
     for warning in filter(None, (f.get("warning") for f in calib["calibration"].values())):
         _say(f"calibration warning: {warning}")
     if problems:

@@ -12,8 +12,13 @@ vLLM engine, runs each cell twice, and writes ``OUT``:
    with the top-``TOP_K`` log-probabilities of the first generated step (the distribution the answer
    is read from: its first token's logprob and the KL against dense come from it, at no extra cost);
 2. **teacher-forced** (``teacher_forced`` in the job, ``--teacher_forced``): prompt + answer tokens, one new
-   token, ``prompt_logprobs=0``: each answer token's logprob and rank given the true tokens before it (a
-   second prefill of every prompt: on CPU it doubles the run).
+   token, ``prompt_logprobs=0``: each answer token's logprob and rank given the true tokens before it.
+   It runs *first*, computing every token (the prefill whose tile counts are the cell's prefill
+   sparsity), with vLLM's prefix cache on; the generate batch then reads the prompt's full KV blocks
+   from the cache and computes only the prompt's last partial block and the decode steps, so one
+   prefill per prompt serves both passes (on CPU the second prefill would double the run). The
+   reverse order would not work: blocks holding generated tokens equal to the answer would be cache
+   hits, and vLLM returns no logprobs for cached tokens.
 
 A fresh process per configuration: every engine starts from the same state (no compiled kernels,
 caches or plugin state carried over), and the plugin reads ``SPARSE_ATTN_*`` at start-up.
@@ -39,51 +44,68 @@ def _phase_counts(snapshots: list[dict]) -> dict[str, dict[str, int]]:
     return {phase: phase_totals(snapshots, phase) for phase in PHASES}
 
 
+def _answer_logprobs(forced: Any, prompt: list[int], answer: list[int]) -> list[list[float]]:
+    """``[logprob, rank]`` of each answer token given the true tokens before it."""
+    got = forced.prompt_logprobs[len(prompt):] if forced.prompt_logprobs else ()
+    if len(got) != len(answer) or any(x is None for x in got):
+        raise RuntimeError(f"teacher-forced pass returned {len(got)} answer logprobs for {len(answer)} answer tokens "
+                           f"(a prefix-cache hit would drop them; this request must compute every token)")
+    return [list(x) for x in got]
+
+
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     from compat import offline
     from sparse_attn.protocol import STATS_RPC
     from vllm import LLM
 
     sparse = job["section"] is not None
+    forced_mode = bool(job.get("teacher_forced"))
     overrides = {"sparse_attention_config": job["section"]} if sparse else None
     t = time.monotonic()
     llm = LLM(**offline.eval_engine_kwargs(model=job["checkpoint"], dtype=job["dtype"], max_model_len=job["max_model_len"],
                                            seed=job["seed"], backend=job.get("backend"), hf_overrides=overrides,
-                                           kv_cache_bytes=job["kv_cache_bytes"]))
+                                           kv_cache_bytes=job["kv_cache_bytes"], prefix_caching=forced_mode))
     started_s = time.monotonic() - t
 
     def stats(reset: bool = True) -> list[dict] | None:
         return llm.collective_rpc(STATS_RPC, kwargs={"reset": reset}) if sparse else None
 
-    # Warm-up outside every timed batch (first-call allocations, thread pools).
+    # Warm-up outside every timed batch (first-call allocations, thread pools): the last 256 tokens of a prompt,
+    # which start mid-text, so no prompt's prefix can hit its cached blocks (their KV, at another kv_len, has
+    # other thresholds). Prompts of one task share their first 52-66 tokens (chat preamble and instruction,
+    # measured on SmolLM2), so at most 64 tokens of full blocks: inside KV tile 0, which is never skipped and
+    # which those rows alone see, so their KV is the same whichever prompt computed it.
     first = job["cells"][0]["prompts"][0]
-    offline.generate(llm, [first[: min(len(first), 256)]], offline.sampling_params(max_tokens=2))
+    offline.generate(llm, [first[-min(len(first), 256):]], offline.sampling_params(
+        max_tokens=2, read_prefix_cache=False if forced_mode else None))
     layers = None
     if sparse:
         snap = stats()
         layers = [[s["layers_installed"], s["layers_total"]] for s in snap]
-    gen_params = offline.sampling_params(max_tokens=job["decode_tokens"], logprobs=TOP_K)
-    tf_params = offline.sampling_params(max_tokens=1, prompt_logprobs=0)
+    gen_params = offline.sampling_params(max_tokens=job["decode_tokens"], logprobs=TOP_K,
+                                         read_prefix_cache=True if forced_mode else None)
+    tf_params = offline.sampling_params(max_tokens=1, prompt_logprobs=0, read_prefix_cache=False if forced_mode else None)
     cells = []
     total = len(job["cells"])
     for k, cell in enumerate(job["cells"]):
-        t = time.monotonic()
-        gens = offline.generate(llm, cell["prompts"], gen_params)
-        gen_s = time.monotonic() - t
-        gen_counts = _phase_counts(stats()) if sparse else None
         forced, tf_s, tf_counts = None, 0.0, None
-        if job.get("teacher_forced"):
+        if forced_mode:
             t = time.monotonic()
             forced = offline.generate(llm, [p + a for p, a in zip(cell["prompts"], cell["answer_ids"])], tf_params)
             tf_s = time.monotonic() - t
             tf_counts = _phase_counts(stats()) if sparse else None
+        t = time.monotonic()
+        gens = offline.generate(llm, cell["prompts"], gen_params)
+        gen_s = time.monotonic() - t
+        gen_counts = _phase_counts(stats()) if sparse else None
         cells.append({
             "task": cell["task"], "length": cell["length"],
             "generated": [list(g.token_ids) for g in gens], "text": [g.text for g in gens],
             "first_step": [{str(k): v for k, v in (g.step_logprobs or ({},))[0].items()} for g in gens],
             "answer_logprobs": None if forced is None else
-            [[list(x) for x in f.prompt_logprobs[len(p):]] for f, p in zip(forced, cell["prompts"])],
+            [_answer_logprobs(f, p, a) for f, p, a in zip(forced, cell["prompts"], cell["answer_ids"])],
             "generate_s": gen_s, "teacher_forced_s": tf_s, "counts": gen_counts, "teacher_forced_counts": tf_counts,
+            "prefill_shared": forced_mode,
         })
         print(f"{PROGRESS_PREFIX} {k + 1} {total}", flush=True)
     return {"engine_start_s": started_s, "layers": layers, "cells": cells}

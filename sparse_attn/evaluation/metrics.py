@@ -89,6 +89,17 @@ def summarise(scores: list[dict[str, float]], dense_scores: list[dict[str, float
     return out
 
 
+def cell_counts(cell: dict[str, Any]) -> dict[str, dict[str, int]] | None:
+    """The tile counts of one engine cell's prompts, per phase. When the teacher-forced pass shared its prefill
+    with the generate batch (``prefill_shared``: the generate batch read the prompts' KV from the prefix cache),
+    the prefill is that pass's (every prompt token, plus the answer's few) and the decode steps the generate
+    batch's; otherwise the generate batch's for both."""
+    counts = cell.get("counts")
+    if counts is None or not cell.get("prefill_shared") or not cell.get("teacher_forced_counts"):
+        return counts
+    return {**counts, "prefill": dict(cell["teacher_forced_counts"]["prefill"])}
+
+
 def add_counts(a: dict[str, dict[str, int]] | None, b: dict[str, dict[str, int]] | None) -> dict[str, dict[str, int]] | None:
     if a is None:
         return None if b is None else {p: dict(c) for p, c in b.items()}

@@ -20,12 +20,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sparse_attn.calibration.cli import TASK_PROMPT_MARGIN, default_lengths
 from sparse_attn.errors import CliError
 from sparse_attn.evaluation import metrics
 from sparse_attn.evaluation.engine import PROGRESS_PREFIX
 from sparse_attn.evaluation.tasks import EVAL_TASKS, build_samples
 
-DEFAULT_LENGTHS = (1024, 2048, 3072)
 ENGINE_TIMEOUT_S = 3600
 
 
@@ -73,6 +73,10 @@ def _kv_cache_bytes(model_cfg: dict, tokens: int) -> int:
 
 def _run_engine(job: dict, label: str, workdir: Path, env: dict, progress) -> dict:
     job_path, out_path, log_path = workdir / f"job-{label}.json", workdir / f"out-{label}.json", workdir / f"engine-{label}.log"
+    if (reused := _finished(job, job_path, out_path)) is not None:
+        progress.update(len(job["cells"]))
+        return reused
+    out_path.unlink(missing_ok=True)
     job_path.write_text(json.dumps(job), encoding="utf-8")
     cmd = [sys.executable, "-m", "sparse_attn.evaluation.engine", str(job_path), str(out_path)]
     deadline = time.monotonic() + ENGINE_TIMEOUT_S
@@ -99,6 +103,19 @@ def _run_engine(job: dict, label: str, workdir: Path, env: dict, progress) -> di
     return json.loads(out_path.read_text(encoding="utf-8"))
 
 
+def _finished(job: dict, job_path: Path, out_path: Path) -> dict | None:
+    """A ``--workdir`` engine output of the very same job (same prompts, engine settings and section), or None.
+    The engine writes its output atomically at the end, so one that exists is whole: an interrupted eval, or one
+    run target by target (``--targets 0.5`` then ``--targets 0.7`` in one workdir), starts only the engines whose
+    output is missing, and native vLLM runs once."""
+    try:
+        same = json.loads(job_path.read_text(encoding="utf-8")) == json.loads(json.dumps(job))
+        out = json.loads(out_path.read_text(encoding="utf-8")) if same else None
+    except (OSError, ValueError):
+        return None
+    return out if isinstance(out, dict) and len(out.get("cells", ())) == len(job["cells"]) else None
+
+
 def _engine_env(sparse: bool) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSE_ATTN_")}
     env["SPARSE_ATTN_STATS_INTERVAL_S"] = "0"
@@ -112,19 +129,23 @@ def evaluate(args) -> int:
 
     ckpt = Path(args.checkpoint)
     model_cfg, config = _checkpoint_config(ckpt)
-    targets = _parse_list(args.targets, float, "--targets") if args.targets else [None]
+    # "none": native vLLM only (fills a --workdir that later --targets runs read back).
+    targets = ([] if (args.targets or "").strip().lower() == "none"
+               else _parse_list(args.targets, float, "--targets") if args.targets else [None])
     for t in targets:
         if t is not None and not 0.0 <= t < 1.0:
             raise CliError(f"--targets: {t} is not in [0, 1)")
     tasks = _parse_list(args.tasks, str, "--tasks") if args.tasks else list(EVAL_TASKS)
     if unknown := [t for t in tasks if t not in EVAL_TASKS]:
         raise CliError(f"--tasks: unknown {unknown}; choose from {', '.join(EVAL_TASKS)}")
-    lengths = _parse_list(args.lengths, int, "--lengths") if args.lengths else list(DEFAULT_LENGTHS)
+    # Without --lengths: the bins calibrate uses without --calib_max_seqlen (one home: calibration.cli), so the
+    # two commands with their defaults see one prompt mix.
+    lengths = (_parse_list(args.lengths, int, "--lengths") if args.lengths
+               else sorted(default_lengths(model_cfg.get("text_config") or model_cfg)))
     limit = model_cfg.get("max_position_embeddings") or (model_cfg.get("text_config") or {}).get("max_position_embeddings")
-    margin = 64 + args.decode_tokens
-    if limit and max(lengths) + margin > limit:
-        raise CliError(f"--lengths {max(lengths)} + {margin} tokens (answers, decode) exceed the model's context limit "
-                       f"{limit} (config.json max_position_embeddings). Fix: --lengths up to {limit - margin}")
+    if limit and max(lengths) > limit:
+        raise CliError(f"--lengths {max(lengths)} exceeds the model's context limit {limit} (config.json "
+                       f"max_position_embeddings). Fix: --lengths up to {limit}")
     if min(lengths) < 256 or args.samples < 1 or args.decode_tokens < 1:
         raise CliError("--lengths must be >= 256 tokens, --samples >= 1, --decode_tokens >= 1")
     output = Path(args.output)
@@ -141,8 +162,10 @@ def evaluate(args) -> int:
     started = time.monotonic()
     tokenizer = AutoTokenizer.from_pretrained(str(ckpt))
     with tqdm(total=len(tasks) * len(lengths) * args.samples, desc="building prompts", unit="prompt") as bar:
+        # Each prompt leaves the room calibration's task prompts leave (decode steps + margin), so a length bin
+        # holds the same prompts in both and prompt + answer / decode steps fit in the bin.
         samples = build_samples(tokenizer, tasks=tasks, lengths=lengths, per_cell=args.samples, seed=args.seed,
-                                reserve=32, progress=bar)
+                                reserve=args.decode_tokens + TASK_PROMPT_MARGIN, progress=bar)
     cells = []
     for task in tasks:
         for length in lengths:
@@ -151,6 +174,9 @@ def evaluate(args) -> int:
                           "answer_ids": [list(s.answer_token_ids) for s in chosen], "answers": [list(s.answers) for s in chosen]})
     max_prompt = max(len(s.prompt_token_ids) + len(s.answer_token_ids) for s in samples)
     max_model_len = max(max_prompt, max(len(s.prompt_token_ids) for s in samples) + args.decode_tokens) + 1
+    if limit and max_model_len > limit:
+        raise CliError(f"a prompt plus its answer or {args.decode_tokens} decode steps needs {max_model_len} tokens, over the "
+                       f"model's context limit {limit}. Fix: lower --lengths or --decode_tokens")
     base_job = {"checkpoint": str(ckpt), "dtype": args.dtype, "max_model_len": max_model_len, "seed": args.seed,
                 "backend": args.attention_backend, "decode_tokens": args.decode_tokens,
                 "kv_cache_bytes": _kv_cache_bytes(model_cfg, args.samples * (max_model_len + 16)),
@@ -193,16 +219,18 @@ def _assemble(cells, configs, results, targets, config, args, samples) -> dict[s
             key = (cell["task"], cell["length"])
             is_dense = section is None
             scores = metrics.sample_scores(cell, answers[key], answer_ids[key], None if is_dense else dcell)
+            counts = metrics.cell_counts(cell)
             summary = metrics.summarise(scores, None if is_dense else dense_scores[key])
             equal, prefix, total = metrics.agreement(cell["generated"], dcell["generated"])
             rows.append({"task": key[0], "length": key[1], **summary,
                          "agreement": equal / total if total else None, "agreement_prefix": prefix / total if total else None,
-                         "sparsity": metrics.sparsity(cell["counts"]), "teacher_forced_sparsity": metrics.sparsity(cell["teacher_forced_counts"]),
-                         "counts": cell["counts"], "generate_s": round(cell["generate_s"], 3),
+                         "sparsity": metrics.sparsity(counts), "teacher_forced_sparsity": metrics.sparsity(cell["teacher_forced_counts"]),
+                         "counts": counts, "generate_s": round(cell["generate_s"], 3),
+                         "teacher_forced_s": round(cell["teacher_forced_s"], 3),
                          "prompt_tokens": [len(p) for p in next(c for c in cells if (c["task"], c["length"]) == key)["prompts"]]})
             pooled += scores
             pooled_dense += dense_scores[key]
-            totals = metrics.add_counts(totals, cell["counts"])
+            totals = metrics.add_counts(totals, counts)
             tokens += cell["generated"]
             dense_tokens += dcell["generated"]
             gen_s += cell["generate_s"]

@@ -183,9 +183,16 @@ def build_samples(tokenizer: Any, *, tasks: Sequence[str], lengths: Sequence[int
 
                 ids, answers = _largest(prompt_of, length - reserve, f"{task} at {length} tokens")
                 answer_text = _answer_text(task, answers)
+                answer_ids = list(tokenizer.encode(answer_text, add_special_tokens=False))
+                # A tokenizer that splits digits (SmolLM2: " 4821937" -> " ", "4", "8", ...) makes the answer's
+                # first token a bare space, whose probability says nothing about retrieval: it goes to the prompt,
+                # as the model's own tokenisation of "is: 4821937" has it, and the first answer token is a digit.
+                while len(answer_ids) > 1 and not tokenizer.decode(answer_ids[:1]).strip():
+                    ids, answer_ids = [*ids, answer_ids[0]], answer_ids[1:]
+                    answer_text = answer_text[1:] if answer_text[:1].isspace() else answer_text
                 samples.append(EvalSample(
                     task=task, length=length, index=i, prompt_token_ids=tuple(ids), answers=tuple(answers),
-                    answer_text=answer_text, answer_token_ids=tuple(tokenizer.encode(answer_text, add_special_tokens=False)),
+                    answer_text=answer_text, answer_token_ids=tuple(answer_ids),
                 ))
                 if progress is not None:
                     progress.update(1)

@@ -26,7 +26,7 @@ pytestmark = [
 #: scale swings with KV length on this model (sparse_attn/demo/run.py, ``_eval_prompts``); held-out
 #: prompts sized for another decode budget would sit at KV lengths the calibration never measured.
 DECODE_TOKENS = 16
-CALIB_ARGS = ["--calib_samples", "8", "--calib_max_seqlen", "2048", "--calib_min_seqlen", "1024", "--decode_tokens", str(DECODE_TOKENS),
+CALIB_ARGS = ["--calib_set", "synthetic", "--calib_samples", "8", "--calib_max_seqlen", "2048", "--calib_min_seqlen", "1024", "--decode_tokens", str(DECODE_TOKENS),
               "--max_model_len", "2048", "--dtype", "float32", "--seed", "0", "--target_sparse_ratio", "0.5",
               "--update_checkpoint_config"]
 

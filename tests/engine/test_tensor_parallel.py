@@ -32,7 +32,7 @@ pytestmark = [
 CALIBRATE_ARGS = [
     # 2k-token prompts and 24 candidates: the pooled fit needs >= 3 candidates whose pooled sparsity is
     # in 10%..90%, and 1k-token prompts of the tiny model reach only ~32% prefill sparsity.
-    "--calib_samples", "3", "--calib_max_seqlen", "2048", "--calib_min_seqlen", "1024", "--decode_tokens", "4",
+    "--calib_set", "synthetic", "--calib_samples", "3", "--calib_max_seqlen", "2048", "--calib_min_seqlen", "1024", "--decode_tokens", "4",
     "--max_model_len", "2100", "--dtype", "float32", "--num_candidates", "24", "--seed", "0",
     "--engine_kwargs", json.dumps({"kv_cache_memory_bytes": 64 << 20}),
 ]

@@ -340,3 +340,29 @@ def test_default_output_inside_the_checkpoint_is_refused(ckpt, capsys, monkeypat
     assert code == 2 and "--output sparse_attn_calibration.json is inside the checkpoint" in msg, msg
     assert f"Fix: pass a new file outside the checkpoint, e.g. --output {ckpt.parent / 'ckpt-sparse_attn_calibration.json'}" in msg
     assert sorted(p.name for p in ckpt.iterdir()) == ["config.json"]
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--calib_tasks", "niah_single,nope"], "--calib_tasks 'niah_single,nope': unknown or empty; choose from niah_single"),
+    (["--calib_tasks", ","], "unknown or empty"),
+    (["--calib_set", "synthetic", "--calib_tasks", "qa"], "it needs --calib_set tasks"),
+], ids=["unknown-kind", "empty", "synthetic-set"])
+def test_calib_tasks_is_checked_before_anything_starts(ckpt, tmp_path, capsys, argv, expected):
+    before = (ckpt / "config.json").read_text()
+    code, msg = run(capsys, ckpt, *argv, "--output", tmp_path / "out.json", "--update_checkpoint_config")
+    assert code == 2 and expected in msg
+    assert_nothing_written(ckpt, tmp_path / "out.json", before)
+
+
+def test_calibrate_defaults_are_the_evals_prompt_mix():
+    """calibrate's default set is the eval's kinds, and eval's default lengths are calibrate's default bins."""
+    from sparse_attn.calibration.cli import DEFAULT_CALIB_MIN_SEQLEN, default_lengths
+    from sparse_attn.cli import build_parser
+
+    args = build_parser().parse_args(["calibrate", "ckpt"])
+    assert args.calib_set == "tasks" and args.calib_tasks is None and args.calib_min_seqlen == DEFAULT_CALIB_MIN_SEQLEN
+    assert default_lengths({"max_position_embeddings": 8192}) == [8192, 4096, 2048, 1024]
+    assert default_lengths({"max_position_embeddings": 131072}) == [16384, 8192, 4096, 2048, 1024]
+    assert default_lengths({"max_position_embeddings": 512}) == [512]
+    eval_args = build_parser().parse_args(["eval", "ckpt"])
+    assert eval_args.lengths is None and eval_args.decode_tokens == args.decode_tokens

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 
@@ -54,6 +55,25 @@ def test_samples_fit_their_length_and_hold_their_answer(task, length):
         assert s.answer_token_ids == tuple(tok.encode(s.answer_text))
         assert all(a in s.answer_text for a in s.answers)
     assert samples[0].prompt_token_ids != samples[1].prompt_token_ids
+
+
+class DigitTokenizer(WordTokenizer):
+    """Splits every digit off and a space before one into its own token, as SmolLM2's pre-tokenizer does."""
+
+    def encode(self, text, add_special_tokens=True):
+        parts = re.findall(r"\d| (?=\d)|\s*[^\s\d]+|\s+", text)
+        return [self.vocab.setdefault(p, len(self.vocab)) for p in parts]
+
+
+@pytest.mark.parametrize("task", ["niah_single", "niah_multikey"])
+def test_an_answer_never_starts_with_a_bare_space_token(task):
+    """first LP must score the number, not the space a digit-splitting tokenizer puts before it."""
+    tok = DigitTokenizer()
+    for s in build_samples(tok, tasks=[task], lengths=[512], per_cell=2, seed=1):
+        assert tok.decode(s.answer_token_ids[:1]).strip().isdigit()
+        assert tok.decode(s.prompt_token_ids).endswith("is: ")  # the space moved to the prompt
+        assert tok.decode([*s.prompt_token_ids, *s.answer_token_ids]).endswith("is: " + s.answers[0])
+        assert s.answer_text == s.answers[0] and len(s.answer_token_ids) == 7
 
 
 def test_held_out_from_calibration_for_every_seed():
@@ -162,6 +182,38 @@ def test_report_puts_dense_beside_every_sparse_number(tmp_path):
     assert pooled["d_first_lp"] == pytest.approx(-0.5) and pooled["kl"] == pytest.approx(math.exp(-0.2) * 1.0 / 2)
     text = render(report)
     assert "dense" in text and "0.5" in text and "(1.50x)" in text and "30/30 layers sparse" in text
+    native_only = _assemble(cells, [("dense", None)], {"dense": dense}, [], config, args, None)  # --targets none
+    assert [c["native"] for c in native_only["configs"]] == [True] and "dense" in render(native_only)
+
+
+def test_teacher_forced_prefill_is_the_cells_prefill():
+    """With --teacher_forced the generate batch reads the prompts' KV from the prefix cache: the cell's prefill
+    counts are the teacher-forced pass's, its decode counts the generate batch's, its time both passes'."""
+    from types import SimpleNamespace
+
+    from sparse_attn.evaluation.report import render
+    from sparse_attn.evaluation.run import _assemble
+
+    def c(skipped, visited):
+        return {"skipped": skipped, "visited": visited, "launches": 1, "native_launches": 0, "dense_launches": 0}
+
+    cells = [{"task": "niah_single", "length": 1024, "prompts": [[1, 2, 3]], "answer_ids": [[7, 8]], "answers": [["78"]]}]
+
+    def engine(counts, tf_counts, gen_s, tf_s):
+        return {"engine_start_s": 1.0, "layers": [[30, 30]] if counts else None, "cells": [{
+            "task": "niah_single", "length": 1024, "generated": [[7, 8]], "text": ["78"], "first_step": [{"7": -0.1}],
+            "answer_logprobs": [[[-0.1, 1], [-0.2, 1]]], "generate_s": gen_s, "teacher_forced_s": tf_s,
+            "counts": counts, "teacher_forced_counts": tf_counts, "prefill_shared": True}]}
+
+    sparse = engine({"prefill": c(1, 4), "decode": c(3, 10)}, {"prefill": c(60, 100), "decode": c(0, 0)}, 1.0, 4.0)
+    dense = engine(None, None, 1.0, 3.0)
+    report = _assemble(cells, [("dense", None), ("target 0.5", {"x": 1})], {"dense": dense, "target 0.5": sparse}, [0.5],
+                       SimpleNamespace(calibrated_phases=("prefill", "decode")),
+                       SimpleNamespace(checkpoint="ckpt", seed=0, samples=1, decode_tokens=2), None)
+    pooled = report["configs"][1]["all"]
+    assert pooled["sparsity"] == {"prefill": 0.6, "decode": 0.3} and pooled["counts"]["prefill"]["visited"] == 100
+    assert pooled["forced_exact"] == 1.0 and pooled["d_answer_ll"] == pytest.approx(0.0)
+    assert "(1.25x)" in render(report)  # (1 + 4) s against native's (1 + 3) s
 
 
 def test_calib_set_tasks_is_its_own_stream_over_every_kind():
@@ -179,3 +231,52 @@ def test_calib_set_tasks_is_its_own_stream_over_every_kind():
     assert all(len(s.prompt_token_ids) <= s.target_len - 16 for s in calib)
     held_out = build_samples(tok, tasks=EVAL_TASKS, lengths=[1024, 512], per_cell=2, seed=0)
     assert not {s.prompt_token_ids for s in calib} & {s.prompt_token_ids for s in held_out}
+
+
+def test_calib_tasks_chooses_the_kinds(tmp_path):
+    from types import SimpleNamespace
+
+    from sparse_attn.calibration.cli import _task_samples
+
+    args = SimpleNamespace(calib_samples=4, calib_min_seqlen=512, decode_tokens=16, seed=0, calib_set="tasks",
+                           calib_tasks="niah_multikey,niah_single", calib_data_dir=None, prompts_file=None)
+    calib = _task_samples(args, SimpleNamespace(calib_max_seqlen=1024), ChatTokenizer())
+    assert [s.task for s in calib] == ["niah_multikey", "niah_single"] * 2
+    assert [s.target_len for s in calib] == [1024, 1024, 512, 512]
+
+
+def test_workdir_resumes_only_an_engine_whose_job_is_unchanged(tmp_path, monkeypatch):
+    """--workdir: a finished engine of the same job is read back, not started; a changed job (another target,
+    other prompts) or a missing output starts the engine; each start is one subprocess."""
+    import subprocess
+    from types import SimpleNamespace
+
+    from sparse_attn.evaluation import run
+
+    started = []
+
+    class FakeEngine:  # the engine subprocess needs vLLM; this writes what it would, atomically, at the end
+        def __init__(self, cmd, **kwargs):
+            job_path, out_path = map(Path, cmd[-2:])
+            job = json.loads(job_path.read_text())
+            started.append(job["section"])
+            out_path.write_text(json.dumps({"cells": [{"n": len(started)}] * len(job["cells"])}))
+            self.stdout = iter(f"{run.PROGRESS_PREFIX} {k + 1} {len(job['cells'])}\n" for k in range(len(job["cells"])))
+
+        def wait(self):
+            return 0
+
+        def kill(self):
+            pass
+
+    monkeypatch.setattr(subprocess, "Popen", FakeEngine)
+    bar = SimpleNamespace(n=0, update=lambda k: setattr(bar, "n", bar.n + k))
+    job = {"cells": [{"prompts": [[1, 2]]}, {"prompts": [[3]]}], "section": None}
+    first = run._run_engine(job, "dense", tmp_path, {}, bar)
+    again = run._run_engine(job, "dense", tmp_path, {}, bar)
+    assert started == [None] and again == first and bar.n == 4
+    run._run_engine({**job, "section": {"t": 0.7}}, "dense", tmp_path, {}, bar)  # another job under that label
+    assert started == [None, {"t": 0.7}]
+    (tmp_path / "out-dense.json").unlink()
+    run._run_engine({**job, "section": {"t": 0.7}}, "dense", tmp_path, {}, bar)
+    assert started == [None, {"t": 0.7}, {"t": 0.7}]
