@@ -53,7 +53,7 @@ DEFAULT_CALIB_MAX_SEQLEN = 16384
 #: an out-of-memory: synthetic samples (ModelOpt uses 24-64), candidate thresholds per phase
 #: (each one is counted in every layer at every step), tensor-parallel ranks, and lengths in
 #: tokens (2**24: beyond every model's context).
-LIMITS: Mapping[str, int] = {"--calib_samples": 4096, "--num_candidates": 256, "--tensor_parallel_size": 1024,
+LIMITS: Mapping[str, int] = {"--calib_samples": 4096, "--num_candidates": 256, "--tensor_parallel_size": 1024, "--pipeline_parallel_size": 1024,
                              "--calib_max_seqlen": 1 << 24, "--calib_min_seqlen": 1 << 24, "--max_model_len": 1 << 24,
                              "--decode_tokens": 1 << 24}
 #: ``--seed`` range: vLLM seeds numpy, which takes 0 <= seed < 2**32.
@@ -193,8 +193,10 @@ def _vocab_size(model_config: Mapping[str, Any]) -> int | None:
 def _check_bounds(args) -> None:
     if not 0.0 < args.target_sparse_ratio < 1.0:
         raise CliError(f"--target_sparse_ratio {args.target_sparse_ratio} must be in (0, 1)")
-    if args.decode_tokens < 0 or args.calib_samples < 1 or args.tensor_parallel_size < 1 or args.num_candidates < 4:
-        raise CliError("--decode_tokens must be >= 0, --calib_samples >= 1, --tensor_parallel_size >= 1, --num_candidates >= 4")
+    if (args.decode_tokens < 0 or args.calib_samples < 1 or args.tensor_parallel_size < 1 or args.pipeline_parallel_size < 1
+            or args.num_candidates < 4):
+        raise CliError("--decode_tokens must be >= 0, --calib_samples >= 1, --tensor_parallel_size >= 1, "
+                       "--pipeline_parallel_size >= 1, --num_candidates >= 4")
     for flag, limit in LIMITS.items():
         value = getattr(args, flag[2:])
         if value is not None and value > limit:
@@ -379,13 +381,13 @@ def calibrate(args) -> int:
     from compat import launch
     from sparse_attn.protocol import STATS_RPC
 
-    with _environ({**counting_mode_env(scales), **launch.cpu_tensor_parallel_env(args.tensor_parallel_size)}):
+    with _environ({**counting_mode_env(scales), **launch.cpu_parallel_env(args.tensor_parallel_size * args.pipeline_parallel_size)}):
         from tqdm import tqdm
         from vllm import LLM
 
         llm = LLM(**launch.calibration_engine_kwargs(
             model=str(plan.ckpt), dtype=args.dtype, max_model_len=plan.max_model_len,
-            tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
+            tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size, seed=args.seed,
             backend=args.attention_backend, extra=plan.engine_extra,
         ))
         # What each worker installed, before any sample runs: the layers served sparse are the
@@ -431,6 +433,7 @@ def calibrate(args) -> int:
         "samples": len(samples),
         "decode_tokens": args.decode_tokens,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "pipeline_parallel_size": args.pipeline_parallel_size,
         "layers_installed_per_worker": installed,
         "install_per_worker": measurement.installs,
         "layers_total_per_worker": total,
