@@ -2,9 +2,10 @@
 
 The reference is what people committed by hand before the tool existed: removing a recorded
 release's lines and adding them back through the tool must give back tox.ini, compat/proven.py
-and README.md byte for byte, and the engine requirement files come out identical. The full
-command (download, closure, env, record) was proven by re-creating a release from scratch
-(CONTRIBUTING.md, "Supporting a new vLLM release")."""
+and README.md byte for byte, and the engine requirement files come out identical. The rest of
+the command (download, closure re-resolution, env, recorded row and facts) is not re-run here: a
+from-scratch re-creation of a recorded release, diffed against the committed files, is still to do
+(issue 21, item 2)."""
 
 from __future__ import annotations
 
