@@ -265,6 +265,17 @@ REGISTRY: dict[str, EnvVar] = {
             choices="a JSON list of numbers > 0, e.g. [0.01, 0.5, 12.0]",
             internal=True,
         ),
+        EnvVar(
+            name="SPARSE_ATTN_PRUNE_PASSED_ENVS",
+            default="0",
+            doc=(
+                "Developer / CI only, read by `tools/prune_env.py` (not by the plugin): `1` removes each tox env "
+                "once its tests passed, which keeps the 19-env matrix within disk; `.ci/run` sets it."
+            ),
+            parse=_parse_flag,
+            choices=", ".join(FLAG_FALSE[:1] + FLAG_TRUE[:1]),
+            internal=True,
+        ),
     )
 }
 
