@@ -473,12 +473,26 @@ def tox(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProce
     return proc
 
 
-def env_row(repo: Path, env: str) -> dict[str, list]:
-    """The probe's row in a built tox env, as ``compat.proven.row`` says it."""
+def install_nodeps(repo: Path, env: str, version: str, wheels: Path) -> None:
+    """Install the env's ``--no-deps`` set as its ``commands_pre`` does: ``tox --notest`` skips
+    commands_pre, so without this the row would be probed in an env that has no vLLM. The wheel
+    downloaded in step 1 is offered with --find-links (no second ~400 MB download); tox's own
+    commands_pre then finds it installed."""
+    run(["uv", "pip", "install", "-q", "--python", repo / ".tox" / env / "bin" / "python", "--no-deps", "--no-cache",
+         "--find-links", wheels, "-r", repo / MATRIX_REQ / f"vllm-{version}-nodeps.txt"], env=uv_env())
+
+
+def env_row(repo: Path, env: str) -> tuple[str, dict[str, list]]:
+    """``(table key, row)`` the probe gives in a built tox env, as ``compat.proven`` says them."""
     py = repo / ".tox" / env / "bin" / "python"
-    code = "import json, compat; from compat.proven import release, row; r = compat.probe(); print(json.dumps([release(r), row(r)]))"
+    code = ("import json, compat; from compat.proven import release, row; r = compat.probe(); "
+            "print(json.dumps([r.vllm_version, release(r), row(r)]))")
     proc = run([py, "-c", code], cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)})
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    found, key, row = json.loads(proc.stdout.strip().splitlines()[-1])
+    if found is None:
+        raise ReleaseError(f"the probe found no vLLM in tox env {env} ({py}): the env was built without it; "
+                           f"install it (tools/tox -e {env} runs commands_pre) and rerun")
+    return key, row
 
 
 def readme_cells(row: dict[str, list]) -> list[str]:
@@ -576,6 +590,7 @@ def add_release(args) -> int:
     env = f"vllm{factor(version)}"
     print(f"[4/6] {env}: build, record the row and the facts, run the tests")
     tox(repo, "-e", env, "--notest")
+    install_nodeps(repo, env, version, wheels)
     key, row = env_row(repo, env)
     record_row(repo, key, row, version, replaces)
     py = repo / ".tox" / env / "bin" / "python"
