@@ -24,6 +24,12 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Overrides: " + ", ".join(envs.REGISTRY) + " (see README.md).",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON for machines")
+    parser.add_argument(
+        "--check", action="store_true",
+        help="print one line and exit 0 when this vLLM release is in the proven matrix (README's release table), "
+             "1 when it is not but every capability probe answered (the line lists the facts probed), "
+             "2 when a probe failed or an override is invalid (the line says what and the fix)",
+    )
     return parser
 
 
@@ -41,6 +47,12 @@ def main(argv: list[str] | None = None) -> int:
         report = None
         if str(exc) not in errors.values():
             errors["probe"] = str(exc)
+    if args.check:
+        from compat.proven import check
+
+        verdict = check(report, errors)
+        print(f"compat --check: {verdict.line}")
+        return verdict.code
     if report is not None:
         print(json.dumps(report.as_dict(), indent=2, sort_keys=True) if args.json else render(report, invalid=errors))
     for message in errors.values():

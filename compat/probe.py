@@ -97,6 +97,9 @@ class BackendReport:
     writer: str | None = None
     writer_source: str | None = None
     writer_detail: str = ""
+    #: The capability that answered the layout (``get_kv_cache_shape``, or
+    #: ``supported_kv_cache_layouts + create_kv_cache_views``); ``None`` when env or table decided.
+    layout_capability: str | None = None
     #: How the builder declares CUDA-graph support and what sparse layers declare (``compat.graphs``).
     graphs: graphs.GraphDecision | None = None
 
@@ -137,6 +140,7 @@ class CompatReport:
                     "layout": b.layout.value if b.layout else None,
                     "layout_source": b.layout_source,
                     "layout_detail": b.layout_detail,
+                    "layout_capability": b.layout_capability,
                     "writer": b.writer,
                     "writer_source": b.writer_source,
                     "writer_detail": b.writer_detail,
@@ -231,14 +235,15 @@ def _probe_backend(name: str, version: str | None, registry: Any, layout_overrid
     except Exception as exc:  # noqa: BLE001 - reported, not raised: other backends may still serve
         return BackendReport(name, False, import_error=f"{type(exc).__name__}: {exc}", layout=layout, layout_source=layout_source,
                              layout_detail=layout_detail, writer=writer, writer_source=writer_source, writer_detail=writer_detail)
+    capability = None
     if layout_source is None:
-        layout, layout_source, layout_detail = _decide_layout(name, cls, version)
+        layout, layout_source, layout_detail, capability = _decide_layout(name, cls, version)
     if writer_source is None:
         writer, writer_source, writer_detail = _decide_writer(cls)
     return BackendReport(
         name, True, class_path=f"{cls.__module__}.{cls.__qualname__}", layout=layout, layout_source=layout_source,
         layout_detail=layout_detail, writer=writer, writer_source=writer_source, writer_detail=writer_detail,
-        graphs=graphs.decide(cls),
+        layout_capability=capability, graphs=graphs.decide(cls),
     )
 
 
@@ -252,13 +257,15 @@ def _decide_writer(cls: type) -> tuple[str, str, str]:
     return ("adapter" if includes else "vllm"), "probe", detail
 
 
-def _decide_layout(name: str, cls: type, version: str) -> tuple[KVLayout | None, str, str]:
+def _decide_layout(name: str, cls: type, version: str) -> tuple[KVLayout | None, str, str, str | None]:
+    """``(layout, source, evidence, capability)``: the first capability that answers, else the table."""
     attempts = []
     if hasattr(cls, "get_kv_cache_shape"):
         try:
             shape = tuple(cls.get_kv_cache_shape(SENTINEL["num_blocks"], SENTINEL["block_size"], SENTINEL["num_kv_heads"], SENTINEL["head_size"]))
             layout = _classify(name, shape)
-            return layout, "probe", f"{cls.__name__}.get_kv_cache_shape{_sentinel_args()} -> {shape}{_page_format_note(name, layout)}"
+            return layout, "probe", f"{cls.__name__}.get_kv_cache_shape{_sentinel_args()} -> {shape}{_page_format_note(name, layout)}", \
+                "get_kv_cache_shape"
         except Exception as exc:  # noqa: BLE001 - fall through to the next capability
             attempts.append(f"get_kv_cache_shape failed: {type(exc).__name__}: {exc}")
     else:
@@ -269,12 +276,12 @@ def _decide_layout(name: str, cls: type, version: str) -> tuple[KVLayout | None,
             return layout, "probe", (
                 f"{why}; create_kv_cache_views{_sentinel_args()} with {kv_layout.name} -> per-layer view {shape} "
                 f"strides {strides}{_page_format_note(name, layout)}"
-            )
+            ), "supported_kv_cache_layouts + create_kv_cache_views"
         except Exception as exc:  # noqa: BLE001 - fall through to the table
             attempts.append(f"KV-cache layout / create_kv_cache_views failed: {type(exc).__name__}: {exc}")
     layout, row = _table_layout(name, version)
     attempts.append(f"release table row {row}" if row else "no release table row")
-    return layout, "table", "; ".join(attempts)
+    return layout, "table", "; ".join(attempts), None
 
 
 def _sentinel_args() -> str:

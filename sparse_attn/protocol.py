@@ -52,8 +52,9 @@ def calibration_env(scales: Sequence[float]) -> dict[str, str]:
 def merge_worker_counts(snapshots: Sequence[Mapping[str, Any]], num_scales: int) -> dict[str, tuple[list[int], list[int]]]:
     """Sum the integer candidate counts of all workers: phase -> (skipped, visited), one per scale.
 
-    Each worker (tensor-parallel rank) counts only the heads it serves; counts are
-    additive over heads, so the sum is the count of the whole model. A worker that
+    Each worker counts only what it serves: a tensor-parallel rank its heads of every
+    layer, a pipeline stage its own layers; counts are additive over heads and layers,
+    so the sum over all workers is the count of the whole model. A worker that
     saw no launch of a phase contributes zeros."""
     merged = {}
     for phase in PHASES:

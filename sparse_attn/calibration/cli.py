@@ -215,8 +215,10 @@ def _check_args(args) -> _Plan:
             raise CliError(f"--update_checkpoint_config: {exc}") from None
     if not 0.0 < args.target_sparse_ratio < 1.0:
         raise CliError(f"--target_sparse_ratio {args.target_sparse_ratio} must be in (0, 1)")
-    if args.decode_tokens < 0 or args.calib_samples < 1 or args.tensor_parallel_size < 1 or args.num_candidates < 4:
-        raise CliError("--decode_tokens must be >= 0, --calib_samples >= 1, --tensor_parallel_size >= 1, --num_candidates >= 4")
+    if (args.decode_tokens < 0 or args.calib_samples < 1 or args.tensor_parallel_size < 1 or args.pipeline_parallel_size < 1
+            or args.num_candidates < 4):
+        raise CliError("--decode_tokens must be >= 0, --calib_samples >= 1, --tensor_parallel_size >= 1, "
+                       "--pipeline_parallel_size >= 1, --num_candidates >= 4")
     _calib_tasks(args)
     plot_prefix, plot_paths = _check_plot(args)
     output = _check_output(args, ckpt, plot_paths)
@@ -343,13 +345,13 @@ def calibrate(args) -> int:
     from compat import launch
     from sparse_attn.protocol import STATS_RPC
 
-    with _environ({**counting_mode_env(scales), **launch.cpu_tensor_parallel_env(args.tensor_parallel_size)}):
+    with _environ({**counting_mode_env(scales), **launch.cpu_parallel_env(args.tensor_parallel_size * args.pipeline_parallel_size)}):
         from tqdm import tqdm
         from vllm import LLM
 
         llm = LLM(**launch.calibration_engine_kwargs(
             model=str(plan.ckpt), dtype=args.dtype, max_model_len=plan.max_model_len,
-            tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
+            tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size, seed=args.seed,
             backend=args.attention_backend, extra=plan.engine_extra,
         ))
         # What each worker installed, before any sample runs: the layers served sparse are the
@@ -395,6 +397,7 @@ def calibrate(args) -> int:
         "samples": len(samples),
         "decode_tokens": args.decode_tokens,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "pipeline_parallel_size": args.pipeline_parallel_size,
         "layers_installed_per_worker": installed,
         "install_per_worker": measurement.installs,
         "layers_total_per_worker": total,

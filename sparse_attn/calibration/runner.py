@@ -4,7 +4,7 @@ The engine is started with the sparse adapters in counting mode (outputs stay
 dense): every attention launch records, for each candidate scale factor
 ``c`` (``lambda = c / kv_len``), how many KV tiles would be skipped. Samples run
 one at a time: a prefill, then ``decode_tokens`` decode steps; after each, the
-integer counts are pulled from every worker (tensor-parallel ranks included)
+integer counts are pulled from every worker (tensor-parallel ranks and pipeline stages included)
 with ``collective_rpc`` and summed before any ratio is taken.
 """
 

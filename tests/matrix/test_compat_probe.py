@@ -166,3 +166,40 @@ def test_forced_wrong_layout_fails_at_the_first_view(backend, monkeypatch):
     with pytest.raises(compat.UnsupportedLayoutError) as info:
         compat.kv_cache_views(cache, head_size=D, backend=backend, isa="vec")
     assert str(list(cache.shape)) in str(info.value) and wrong in str(info.value) and "env" in str(info.value)
+
+
+def test_check_says_this_release_is_proven(capsys):
+    from compat.__main__ import main
+
+    code = main(["--check"])
+    line = capsys.readouterr().out.strip()
+    assert code == 0, line
+    assert line.startswith(f"compat --check: OK: {release(compat.probe())} is in the proven matrix"), line
+
+
+def test_check_without_this_release_s_row_names_the_real_probed_facts(monkeypatch):
+    from compat import proven
+
+    report = compat.probe()
+    recorded = EXPECTED[release(report)]
+    monkeypatch.delitem(proven.PROVEN, release(report))
+    verdict = proven.check(report, {})
+    # 2 where the release allocates a cache outside the catalogue (CPU_ATTN <= 0.22.1), else 1.
+    unknown = [name for name, (layout, source, _, _) in recorded.items() if source is not None and layout is None]
+    assert verdict.code == (2 if unknown else 1), verdict.line
+    if unknown:
+        for name in unknown:
+            assert f"{name}: the cache this release allocates is no layout compat knows" in verdict.line, verdict.line
+        return
+    for name, (layout, source, writer, _) in recorded.items():
+        assert (f"{name} not importable" if source is None else f"{name} {layout}/{writer}") in verdict.line, verdict.line
+
+
+def test_check_fails_on_an_invalid_override(monkeypatch, capsys):
+    from compat.__main__ import main
+
+    monkeypatch.setenv("SPARSE_ATTN_KV_LAYOUT", "FLASHINFER=diagonal")
+    compat.reset_for_tests()
+    assert main(["--check"]) == 2
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("compat --check: FAILED: ") and "SPARSE_ATTN_KV_LAYOUT" in line and "blocks-first" in line, line

@@ -1,8 +1,8 @@
 """README's "Supported vLLM releases" table is tests/matrix/expected_table.py, rendered.
 
 Runs without vLLM (unit env). Every CUDA ``vllm==X`` row of EXPECTED must appear in README with
-exactly what compat decided per backend and who writes the cache; every line from 0.15 to 0.33 must
-be listed once; a line whose env is not in this tree yet is marked ``pending`` in every cell and must
+exactly what compat decided per backend and who writes the cache; every line from 0.15 to the newest
+recorded one must be listed once; a line whose env is not in this tree yet is marked ``pending`` in every cell and must
 have no EXPECTED row (so it cannot stay "pending" once recorded, nor be listed as proven before).
 """
 from __future__ import annotations
@@ -15,7 +15,8 @@ import pytest
 from tests.matrix.expected_table import EXPECTED
 
 README = Path(__file__).parents[2] / "README.md"
-LINES = [f"0.{minor}" for minor in range(15, 34)]
+NEWEST = max(int(k.partition("==")[2].split(".")[1]) for k in EXPECTED if k.startswith("vllm=="))
+LINES = [f"0.{minor}" for minor in range(15, NEWEST + 1)]
 PENDING = "pending"
 
 

