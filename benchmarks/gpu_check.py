@@ -1,20 +1,27 @@
-"""One GPU check for issues 12 and 13: compiled kernel tests, CUDA-graph capture, benchmark.
+"""One GPU check for issues 12, 13, 17 and 18: compiled kernel tests, CUDA-graph capture and
+its memory, benchmark.
 
 Runs on one GPU with torch and triton installed and nothing else (no vLLM, no pytest),
 in at most ~8 minutes on an H200:
 
 1. **kernels**: the compiled Triton kernel (no interpreter) in fp32, bf16 and fp16 on GQA
-   groups 1/4/8, decodes crossing several KV splits (one with a split per KV tile, so
-   every split program computes its tile-0 seed), mixed prefill/decode batches and
-   the default ``SPLIT_K``, against the float64 brute-force reference of
+   groups 1/4/8, head sizes 64/128/256, decodes crossing several KV splits (one with a
+   split per KV tile, so every split program computes its anchor seed), mixed
+   prefill/decode batches and the default ``SPLIT_K``, and the layers of real models:
+   Gemma 3 (head 256, a 512-token window), gpt-oss (head 64, learned sinks, a 128-token
+   window, an fp8 e4m3 cache with device scales), a soft-capped layer on an fp8 e5m2
+   cache, against the float64 brute-force reference of
    ``tests/sparse_attn/kernel_reference.py`` (dense output at lambda 0; outputs and skip
    counts under lambda), and calibration counts == serving skips.
 2. **graph**: the capture-safe decode call (``check=False``) on FlashInfer-shaped
    metadata (one packed ``[blocks, Hkv, page, 2D]`` cache viewed as K / V, int32 block
    table, seq_lens, query_start_loc, per-sequence lambdas) captured in a
-   ``torch.cuda.CUDAGraph``; seq_lens, block tables, lambdas and queries are then changed
-   IN PLACE and each replay must equal an eager call on the new data.
-3. **bench**: the issue-13 benchmark of ``benchmarks/bench_kernels.py`` (skip with
+   ``torch.cuda.CUDAGraph``, plain and with a window, sinks and an fp8 cache with device
+   scales; seq_lens, block tables, lambdas, queries and scales are then changed IN PLACE
+   and each replay must equal an eager call on the new data.
+3. **capture memory**: the bytes a captured decode allocates (its graph pool, and the
+   kernel's own scratch) per captured batch size with a 128k-token block table.
+4. **bench**: the issue-13 benchmark of ``benchmarks/bench_kernels.py`` (skip with
    ``--skip-bench``).
 
 Writes ``<out>.json`` (every number, device name, versions) and ``<out>.md`` (summary).
@@ -46,24 +53,34 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from sparse_attn.kernels import SPLIT_K, TILE_K, LayerSpec, PagedBatch, paged_attention, paged_attention_counts  # noqa: E402
-from tests.sparse_attn.kernel_reference import add_sink, make_batch, reference  # noqa: E402
+from tests.sparse_attn.kernel_reference import add_sink_token, make_batch, reference  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOL = {"fp32": 2e-5, "bf16": 3e-2, "fp16": 5e-3}
 
-#: name: (kv_lens, q_lens, Hq, Hkv, D, page, layout, split_k or None = SPLIT_K)
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+#: name: (kv_lens, q_lens, Hq, Hkv, D, page, layout, split_k or None = SPLIT_K, layer features)
+#: Features: LayerSpec fields, plus "kv" (an fp8 cache dtype) and "scales" ("float" / "tensor").
 KERNEL_CASES = {
-    "gqa1-decode-splits": ([2000, 300, 65], [1, 1, 1], 4, 4, 64, 16, "contiguous", 256),
-    "gqa4-mixed-batch": ([900, 200, 640, 0], [1, 200, 1, 0], 8, 2, 128, 16, "dim_major_k", 256),
-    "gqa8-decode-page7-packed": ([1500, 129], [1, 1], 16, 2, 128, 7, "packed_kv", 192),
-    "gqa4-default-split-decode": ([SPLIT_K * 3 + 300, 700], [1, 1], 8, 2, 128, 16, "packed_kv", None),
-    "gqa4-prefill-chunked": ([1300], [300], 8, 2, 128, 16, "contiguous", None),
-    # Every tile opens a split: each split program reads K tile 0 for its seed.
-    "gqa4-decode-split-per-tile": ([1100, 300], [1, 1], 8, 2, 128, 16, "contiguous", 64),
+    "gqa1-decode-splits": ([2000, 300, 65], [1, 1, 1], 4, 4, 64, 16, "contiguous", 256, {}),
+    "gqa4-mixed-batch": ([900, 200, 640, 0], [1, 200, 1, 0], 8, 2, 128, 16, "dim_major_k", 256, {}),
+    "gqa8-decode-page7-packed": ([1500, 129], [1, 1], 16, 2, 128, 7, "packed_kv", 192, {}),
+    "gqa4-default-split-decode": ([SPLIT_K * 3 + 300, 700], [1, 1], 8, 2, 128, 16, "packed_kv", None, {}),
+    "gqa4-prefill-chunked": ([1300], [300], 8, 2, 128, 16, "contiguous", None, {}),
+    # Every tile opens a split: each split program reads the anchor's K tile for its seed.
+    "gqa4-decode-split-per-tile": ([1100, 300], [1, 1], 8, 2, 128, 16, "contiguous", 64, {}),
+    "gemma3-window512-d256": ([3000, 700, 1200], [1, 1, 500], 4, 1, 256, 16, "packed_kv", None,
+                              dict(window=512)),
+    "gptoss-sinks-window128-fp8": ([2500, 300, 900], [1, 1, 200], 16, 2, 64, 16, "packed_kv", 256,
+                                   dict(window=128, sink_logits=True, kv=E4M3, scales="tensor")),
+    "softcap50-fp8e5m2-d128": ([1800, 600], [1, 300], 8, 2, 128, 16, "dim_major_k", 512,
+                               dict(soft_cap=50.0, kv=E5M2, scales="float")),
 }
 DRY_KERNEL_CASES = {
-    "gqa1-decode-splits": ([300, 65], [1, 1], 2, 2, 16, 16, "contiguous", 128),
-    "gqa4-mixed-batch": ([200, 30, 0], [1, 30, 0], 8, 2, 16, 16, "dim_major_k", 128),
+    "gqa1-decode-splits": ([300, 65], [1, 1], 2, 2, 16, 16, "contiguous", 128, {}),
+    "gqa4-mixed-batch": ([200, 30, 0], [1, 30, 0], 8, 2, 16, 16, "dim_major_k", 128, {}),
+    "window-sinks-fp8": ([260, 90], [1, 70], 4, 1, 16, 16, "packed_kv", 128,
+                         dict(window=100, sink_logits=True, kv=E4M3, scales="tensor", soft_cap=8.0)),
 }
 LAMS = [0.0, 1e-3, 0.05, 0.4]
 DRY_LAMS = [0.0, 0.4]
@@ -74,19 +91,40 @@ def _to(batch, device):
         "query", "key_cache", "value_cache", "block_table", "seq_lens", "query_start_loc")})
 
 
+def _case(kv_lens, q_lens, hq, hkv, d, page, layout, features, dtype, seed=41):
+    """The batch (on the host) and the layer (on the host, and its copy on the device) of a case."""
+    f = dict(features)
+    kv_dtype, scales = f.pop("kv", None), f.pop("scales", None)
+    k_scale, v_scale = (0.5, 2.0) if kv_dtype is not None else (1.0, 1.0)
+    batch = make_batch(kv_lens, q_lens, hq, hkv, d, page, layout=layout, dtype=dtype, seed=seed, kv_dtype=kv_dtype,
+                       k_scale=k_scale, v_scale=v_scale)
+    batch = add_sink_token(batch, strength=3.0 / k_scale ** 0.5, every=192 if f.get("window") else None)
+    if f.pop("sink_logits", False):
+        f["sink_logits"] = torch.randn(hq, generator=torch.Generator().manual_seed(seed)) * 2
+    if scales == "tensor":
+        k_scale, v_scale = torch.tensor([k_scale]), torch.tensor([v_scale])
+    return batch, LayerSpec(2.0 * d ** -0.5, k_scale=k_scale, v_scale=v_scale, **f)
+
+
+def _spec_to(spec, device):
+    moved = {n: getattr(spec, n).to(device) for n in ("sink_logits", "k_scale", "v_scale")
+             if isinstance(getattr(spec, n), torch.Tensor)}
+    return dataclasses.replace(spec, **moved)
+
+
 def check_kernels(device, cases, log, lams=LAMS):
     """Compiled kernel vs float64 reference; counts == serving skips.  Returns result dicts."""
     results = []
-    for name, (kv_lens, q_lens, hq, hkv, d, page, layout, split_k) in cases.items():
+    for name, (kv_lens, q_lens, hq, hkv, d, page, layout, split_k, features) in cases.items():
         for dname, dt in DTYPES.items():
             t0 = time.perf_counter()
-            batch = add_sink(make_batch(kv_lens, q_lens, hq, hkv, d, page, layout=layout, dtype=dt, seed=41))
+            batch, spec_host = _case(kv_lens, q_lens, hq, hkv, d, page, layout, features, dt)
             rule = {} if split_k is None else {"split_k": split_k}
-            scale = 2.0 * d ** -0.5
-            ref0, _, ref_vis, ref_thr = reference(batch, scale, thresholds=lams, **rule)
+            ref0, _, ref_vis, ref_thr = reference(batch, spec_host, thresholds=lams, **rule)
             args = _to(batch, device)
-            r = dict(case=name, dtype=dname, split_k=split_k or SPLIT_K, checks={})
-            spec = LayerSpec(scale)
+            r = dict(case=name, dtype=dname, split_k=split_k or SPLIT_K, checks={},
+                     features={k: str(v) for k, v in features.items()}, head_dim=d)
+            spec = _spec_to(spec_host, device)
             out0 = paged_attention(args, spec, impl="triton", **rule).cpu().double()
             r["dense_max_err"] = (out0 - ref0).abs().max().item()
             r["checks"]["dense_equals_float64_reference"] = r["dense_max_err"] <= TOL[dname] * (1 + ref0.abs().max().item())
@@ -101,7 +139,7 @@ def check_kernels(device, cases, log, lams=LAMS):
                 o, sk, _ = paged_attention(args, spec, threshold=lam, impl="triton", return_counts=True, **rule)
                 serve_ok &= sk.cpu().tolist() == skipped[j].tolist()
                 if j == len(lams) - 1:
-                    ref_l = reference(batch, scale, lam=lam, **rule)[0]
+                    ref_l = reference(batch, spec_host, lam=lam, **rule)[0]
                     sparse_err = (o.cpu().double() - ref_l).abs().max().item()
             r["checks"]["counts_equal_serving_skips"] = serve_ok
             r["sparse_max_err"] = sparse_err
@@ -118,30 +156,37 @@ def check_kernels(device, cases, log, lams=LAMS):
     return results
 
 
-def _flashinfer_decode_batch(num_seqs, max_blocks, hq, hkv, d, page, dtype, device, seed):
+def _flashinfer_decode_batch(num_seqs, max_blocks, hq, hkv, d, page, dtype, device, seed, kv_dtype=None):
     """A decode batch laid out as vLLM's FlashInfer backend holds it: one packed
-    ``[blocks, Hkv, page, 2D]`` cache (FlashInfer HND) viewed as logical ``[blocks, page,
-    Hkv, D]`` K and V, an int32 block table of ``max_blocks`` columns, int32 seq_lens and
-    query_start_loc."""
+    ``[blocks, Hkv, page, 2D]`` cache (FlashInfer HND; ``kv_dtype`` an fp8 dtype for an fp8
+    cache) viewed as logical ``[blocks, page, Hkv, D]`` K and V, an int32 block table of
+    ``max_blocks`` columns, int32 seq_lens and query_start_loc."""
     g = torch.Generator().manual_seed(seed)
     n_blocks = num_seqs * max_blocks + 4
-    kv = torch.randn(n_blocks, hkv, page, 2 * d, generator=g).to(dtype).to(device)
+    kv = torch.randn(n_blocks, hkv, page, 2 * d, generator=g).to(kv_dtype or dtype).to(device)
     view = kv.transpose(1, 2)
     key_cache, value_cache = view[..., :d], view[..., d:]
     query = torch.randn(num_seqs, hq, d, generator=g).to(dtype).to(device)
     return kv, key_cache, value_cache, query
 
 
-def check_graph(device, dry_run, log, sizes=(32, 8, 128, 16, 256, 8)):
+#: The graph variants: a plain layer, and gpt-oss-like features (window, sinks, an fp8 e4m3
+#: cache with device scales that change between replays).
+GRAPH_VARIANTS = {"plain": {}, "window-sinks-fp8": dict(window=1000, sink_logits=True, kv=E4M3)}
+
+
+def check_graph(device, dry_run, log, sizes=(32, 8, 128, 16, 256, 8), variant="plain"):
     """Capture the capture-safe decode call; replay after in-place metadata changes.
 
     ``sizes``: (Hq, Hkv, D, page, block-table columns, sequences); KV bound 4096 tokens."""
     if dry_run:
-        log("  graph: SKIPPED in --dry-run (no CUDA on this machine: torch.cuda.CUDAGraph needs a GPU)")
+        log(f"  graph {variant}: SKIPPED in --dry-run (no CUDA on this machine: torch.cuda.CUDAGraph needs a GPU)")
         return dict(skipped=True, reason="--dry-run: CUDA graphs need a GPU", ok=True)
+    features = GRAPH_VARIANTS[variant]
     hq, hkv, d, page, max_blocks, num_seqs = sizes
     dtype = torch.bfloat16
-    kv, kc, vc, query = _flashinfer_decode_batch(num_seqs, max_blocks, hq, hkv, d, page, dtype, device, 7)
+    kv, kc, vc, query = _flashinfer_decode_batch(num_seqs, max_blocks, hq, hkv, d, page, dtype, device, 7,
+                                                 kv_dtype=features.get("kv"))
     n_blocks = kv.shape[0]
     g = torch.Generator().manual_seed(3)
 
@@ -152,13 +197,19 @@ def check_graph(device, dry_run, log, sizes=(32, 8, 128, 16, 256, 8)):
         # Random K/V: a tile's max sits ~1 nat below the running max, so these lambdas skip.
         lam = 0.2 + torch.rand(num_seqs, generator=g) * 0.7
         lam[1] = 0.0                                                           # dense for that sequence
-        return lens.int(), perm.int(), lam
-    lens, perm, lam = new_meta()
+        layer = dict(sinks=torch.randn(hq, generator=g), k_scale=0.5 + torch.rand(1, generator=g),
+                     v_scale=0.5 + torch.rand(1, generator=g))
+        return lens.int(), perm.int(), lam, layer
+    lens, perm, lam, layer = new_meta()
     seq_lens, block_table, lam_d = lens.to(device), perm.to(device), lam.to(device)
+    layer_d = {k: v.to(device) for k, v in layer.items()}
     qsl = torch.arange(num_seqs + 1, dtype=torch.int32, device=device)
     q_static = query.clone()
     out_static = torch.empty_like(query)
     spec = LayerSpec(d ** -0.5)
+    if features:
+        spec = LayerSpec(d ** -0.5, window=features["window"], sink_logits=layer_d["sinks"],
+                         k_scale=layer_d["k_scale"], v_scale=layer_d["v_scale"])
     batch = PagedBatch(q_static, kc, vc, block_table, seq_lens, qsl, max_query_len=1)
 
     def call():
@@ -174,10 +225,12 @@ def check_graph(device, dry_run, log, sizes=(32, 8, 128, 16, 256, 8)):
     replays = []
     for step in range(4):
         if step:
-            lens, perm, lam = new_meta()
+            lens, perm, lam, layer = new_meta()
             seq_lens.copy_(lens)
             block_table.copy_(perm)
             lam_d.copy_(lam)
+            for k, v in layer.items():
+                layer_d[k].copy_(v)
             q_static.copy_(torch.randn(q_static.shape, generator=g).to(dtype))
         graph.replay()
         torch.cuda.synchronize()
@@ -193,12 +246,63 @@ def check_graph(device, dry_run, log, sizes=(32, 8, 128, 16, 256, 8)):
                    skipped=int(sk_static.sum()), visited=int(vis_static.sum()))
         rec["ok"] = rec["equal_to_eager_unchecked"] and rec["counts_equal_eager_checked"] \
             and rec["max_diff_vs_eager_checked"] <= 1e-2
-        log(f"  graph replay {step}: {'ok' if rec['ok'] else 'FAIL'} {rec}")
+        log(f"  graph {variant} replay {step}: {'ok' if rec['ok'] else 'FAIL'} {rec}")
         replays.append(rec)
     return dict(skipped=False, ok=all(r["ok"] for r in replays) and any(r["skipped"] for r in replays),
-                replays=replays,
+                replays=replays, variant=variant,
                 shape=dict(num_seqs=num_seqs, hq=hq, hkv=hkv, d=d, page=page, max_blocks=max_blocks,
-                           dtype="bfloat16", cache="packed [blocks, Hkv, page, 2D] (FlashInfer HND)"))
+                           dtype="bfloat16", cache="packed [blocks, Hkv, page, 2D] (FlashInfer HND)",
+                           features={k: str(v) for k, v in features.items()}))
+
+
+CAPTURE_BATCHES = (1, 8, 64, 256, 512)
+
+
+def check_capture_memory(device, dry_run, log, max_tokens=131072, dims=(32, 8, 128), page=16):
+    """Bytes a captured decode step allocates per batch size, with a ``max_tokens`` block
+    table (issue 18 item 2): the kernel's scratch (partials, counts, per-program arrays,
+    from :func:`triton_impl.prepare`) and, on a GPU, what the captured graph's pool holds
+    after capture.  ``unbounded_partials_bytes`` is what the partials took before the
+    grid was bounded (one program per split of the table's width)."""
+    from sparse_attn.kernels import triton_impl
+
+    hq, hkv, d = dims
+    rows = []
+    for num_seqs in CAPTURE_BATCHES:
+        dev = "meta" if dry_run else device
+        n_blocks = 64
+        kv = torch.zeros(n_blocks, hkv, page, 2 * d, dtype=torch.bfloat16, device=dev).transpose(1, 2)
+        query = torch.zeros(num_seqs, hq, d, dtype=torch.bfloat16, device=dev)
+        block_table = torch.zeros(num_seqs, max_tokens // page, dtype=torch.int32, device=dev)
+        seq_lens = torch.full((num_seqs,), 1000, dtype=torch.int32, device=dev)
+        qsl = torch.arange(num_seqs + 1, dtype=torch.int32, device=dev)
+        lam = torch.full((num_seqs,), 0.1, dtype=torch.float32, device=dev)
+        batch = PagedBatch(query, kv[..., :d], kv[..., d:], block_table, seq_lens, qsl, max_query_len=1)
+        spec = LayerSpec(d ** -0.5)
+        out = torch.empty_like(query)
+        plan = triton_impl.prepare(batch, spec, None, threshold=lam, count_thresholds=lam[None], out=out)
+        row = dict(batch=num_seqs, max_tokens=max_tokens, kv_programs=plan.grid.kv_progs,
+                   scratch_bytes=plan.scratch_bytes,
+                   unbounded_partials_bytes=num_seqs * -(-max_tokens // SPLIT_K) * hq * (d + 2) * 4)
+        if not dry_run:
+            def call():
+                return paged_attention(batch, spec, threshold=lam, return_counts=True, check=False, out=out)
+            call()
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                call()
+            torch.cuda.synchronize()
+            row["graph_pool_bytes"] = torch.cuda.memory_allocated() - before
+            graph.replay()
+            torch.cuda.synchronize()
+            del graph
+        log(f"  capture memory batch {num_seqs}: {row}")
+        rows.append(row)
+    # Bounded: never more than MAX_KV_PROGRAMS programs' partials per sequence.
+    per_seq = triton_impl.MAX_KV_PROGRAMS * hq * ((d + 2) * 4 + 3 * 4) + 64
+    return dict(rows=rows, ok=all(r["scratch_bytes"] <= r["batch"] * per_seq for r in rows))
 
 
 def _markdown(res) -> str:
@@ -207,23 +311,34 @@ def _markdown(res) -> str:
              f"{env['triton']}, CUDA {env['cuda']}, python {env['python']}", f"- dry run: {res['dry_run']}",
              f"- SPLIT_K={env['SPLIT_K']}, TILE_K={env['TILE_K']}", f"- total {res['seconds']:.0f} s", "",
              "## Kernel tests (compiled Triton vs float64 reference)", "",
-             "| case | dtype | ok | dense max err | sparse max err | skipped per lambda | reference | seconds |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| case | D | features | dtype | ok | dense max err | sparse max err | skipped per lambda | reference "
+             "| seconds |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in res.get("kernels", []):
-        lines.append(f"| {r['case']} | {r['dtype']} | {'ok' if r['ok'] else 'FAIL'} | {r['dense_max_err']:.1e} | "
+        feats = ", ".join(f"{k}={v}" for k, v in r.get("features", {}).items()) or "-"
+        lines.append(f"| {r['case']} | {r.get('head_dim')} | {feats} | {r['dtype']} | {'ok' if r['ok'] else 'FAIL'} | "
+                     f"{r['dense_max_err']:.1e} | "
                      f"{r['sparse_max_err']:.1e} | {r['skipped_per_lambda']} | {r['reference_skipped_per_lambda']} "
                      f"| {r['seconds']:.1f} |")
-    g = res.get("graph", {})
     lines += ["", "## CUDA graph capture of the capture-safe decode", ""]
-    if g.get("skipped"):
-        lines.append(f"Skipped: {g['reason']}.")
-    elif g:
-        lines.append(f"{'ok' if g['ok'] else 'FAIL'}: {g.get('shape')}")
+    for g in res.get("graph", {}).values():
+        if g.get("skipped"):
+            lines.append(f"Skipped: {g['reason']}.")
+            continue
+        lines.append(f"{'ok' if g['ok'] else 'FAIL'}: {g.get('variant')} {g.get('shape')}")
         for rep in g.get("replays", []):
             lines.append(f"- replay {rep['step']}: equal to eager check=False: {rep['equal_to_eager_unchecked']}, "
                          f"counts equal eager check=True: {rep['counts_equal_eager_checked']}, max diff vs "
                          f"check=True {rep['max_diff_vs_eager_checked']:.1e}, skipped {rep['skipped']} / "
                          f"{rep['visited']}")
+    mem = res.get("capture_memory", {})
+    if mem:
+        lines += ["", "## Captured decode memory per batch size (128k-token block table, 32/8 heads, D 128)", "",
+                  "| batch | KV programs | kernel scratch | graph pool | before the bound (partials) |",
+                  "|---|---|---|---|---|"]
+        for r in mem.get("rows", []):
+            pool = f"{r['graph_pool_bytes'] / 2**20:.2f} MiB" if "graph_pool_bytes" in r else "not measured (dry run)"
+            lines.append(f"| {r['batch']} | {r['kv_programs']} | {r['scratch_bytes'] / 2**20:.2f} MiB | {pool} | "
+                         f"{r['unbounded_partials_bytes'] / 2**20:.1f} MiB |")
     if "bench" in res:
         from bench_kernels import gpu_markdown
 
@@ -268,7 +383,8 @@ def main(argv=None) -> int:
     log(f"gpu_check on {res['environment']['device']}")
     steps = [("kernels", lambda: check_kernels(device, DRY_KERNEL_CASES, log, DRY_LAMS) if a.dry_run
               else check_kernels(device, KERNEL_CASES, log)),
-             ("graph", lambda: check_graph(device, a.dry_run, log))]
+             ("graph", lambda: {v: check_graph(device, a.dry_run, log, variant=v) for v in GRAPH_VARIANTS}),
+             ("capture_memory", lambda: check_capture_memory(device, a.dry_run, log))]
     if not a.skip_bench:
         def bench():
             import bench_kernels as bk
@@ -295,7 +411,9 @@ def main(argv=None) -> int:
             res["errors"][name] = traceback.format_exc()
             log(f"{name} raised:\n{res['errors'][name]}")
         _write(a.out, res, t_start)             # partial results survive a timeout
-    res["ok"] = not res["errors"] and all(r["ok"] for r in res.get("kernels", [])) and res.get("graph", {}).get("ok")
+    res["ok"] = bool(not res["errors"] and all(r["ok"] for r in res.get("kernels", []))
+                     and res.get("graph") and all(g["ok"] for g in res["graph"].values())
+                     and res.get("capture_memory", {}).get("ok"))
     _write(a.out, res, t_start)
     log(f"{'PASS' if res['ok'] else 'FAIL'}: wrote {a.out}.json and {a.out}.md")
     return 0 if res["ok"] else 1

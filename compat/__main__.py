@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report.as_dict(), indent=2, sort_keys=True) if args.json else render(report, invalid=errors))
     for message in errors.values():
         print(f"compat: {message}", file=sys.stderr)
+    for warning in envs.unknown_warnings():
+        print(f"compat: warning: {warning}", file=sys.stderr)
     return 2 if errors else 0
 
 
@@ -80,7 +82,8 @@ def render(report, invalid=()) -> str:
     lines += [f"cuda graphs {name}: {b.graphs.describe()}" for name, b in report.backends.items() if b.graphs]
     lines.append("")
     if report.overrides:
-        lines.append("overrides: " + ", ".join(f"{k}={v}" + (" (INVALID)" if k in invalid else "") for k, v in report.overrides.items()))
+        lines.append("overrides: " + ", ".join(f"{k}={envs.cut(v)}" + (" (INVALID)" if k in invalid else "")
+                                               for k, v in report.overrides.items()))
     else:
         lines.append("overrides: none (set " + " or ".join(list(envs.REGISTRY)[:2]) + " to force a decision)")
     return "\n".join(lines)

@@ -157,6 +157,14 @@ class BatchDescription:
             self._memo[key] = {phase: self._rows(seqs, starts, kv_lens, kv_exact) for phase, seqs in groups.items()}
         return self._memo[key]
 
+    def rows_of(self, seqs: tuple[int, ...], exact: bool = True) -> PhaseRows:
+        """``PhaseRows`` of the sequences ``seqs`` (any subset with query rows), once per step."""
+        key = ("rows", tuple(seqs), exact)
+        if key not in self._memo:
+            starts, kv_lens, kv_exact = self.host_lengths(exact)
+            self._memo[key] = self._rows(list(seqs), starts, kv_lens, kv_exact)
+        return self._memo[key]
+
     def _rows(self, seqs: list[int], starts: tuple[int, ...], kv_lens: tuple[int, ...], kv_exact: bool) -> PhaseRows:
         q_lens = tuple(starts[s + 1] - starts[s] for s in seqs)
         q_starts = tuple(itertools.accumulate(q_lens, initial=0))

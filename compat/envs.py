@@ -37,6 +37,22 @@ CPU_KERNEL_CHOICES: tuple[str, ...] = ("auto", "compiled", "torch")
 #: Spellings ``_parse_flag`` accepts.
 FLAG_TRUE: tuple[str, ...] = ("1", "true", "yes", "on")
 FLAG_FALSE: tuple[str, ...] = ("0", "false", "no", "off")
+#: The prefix of every variable this project reads: an unknown name with it is a typo.
+PREFIX = "SPARSE_ATTN_"
+#: Longest excerpt of a variable's value a message quotes (values can be any length).
+SHOWN_CHARS = 120
+
+
+def shown(raw: str) -> str:
+    """``repr(raw)`` cut to ``SHOWN_CHARS``, naming the full length when cut."""
+    if len(raw) <= SHOWN_CHARS:
+        return repr(raw)
+    return f"{raw[:SHOWN_CHARS]!r}... ({len(raw)} characters)"
+
+
+def cut(raw: str) -> str:
+    """``raw`` cut to ``SHOWN_CHARS``, naming the full length when cut."""
+    return raw if len(raw) <= SHOWN_CHARS else f"{raw[:SHOWN_CHARS]}... ({len(raw)} characters)"
 
 
 @dataclass(frozen=True)
@@ -71,7 +87,7 @@ def _parse_layout_override(raw: str, var: EnvVar) -> Mapping[str, str]:
         backend, sep, layout = (part.strip() for part in item.partition("="))
         if not sep:
             raise InvalidOverrideError(
-                f"{var.name}={raw!r}: item {item!r} is not BACKEND=layout. "
+                f"{var.name}={shown(raw)}: item {shown(item)} is not BACKEND=layout. "
                 f"Expected one layout name for every backend, or BACKEND=layout pairs "
                 f"separated by commas, e.g. {var.name}=FLASHINFER=packed,CPU_ATTN=cpu-packed. "
                 f"Valid: {var.choices}."
@@ -80,8 +96,8 @@ def _parse_layout_override(raw: str, var: EnvVar) -> Mapping[str, str]:
         _check_choice(var, layout, LAYOUT_NAMES)
         if backend in parsed:
             raise InvalidOverrideError(
-                f"{var.name}={raw!r}: backend {backend} is given twice ({parsed[backend]!r} and {layout!r}). "
-                f"Expected each backend at most once. Fix: keep one {backend}=layout pair."
+                f"{var.name}={shown(raw)}: backend {cut(backend)} is given twice ({shown(parsed[backend])} and {shown(layout)}). "
+                f"Expected each backend at most once. Fix: keep one {cut(backend)}=layout pair."
             )
         parsed[backend] = layout
     return parsed
@@ -116,7 +132,7 @@ def _parse_flag(raw: str, var: EnvVar) -> bool:
     if value in FLAG_FALSE:
         return False
     raise InvalidOverrideError(
-        f"{var.name}={raw!r} is not a boolean. Expected one of {FLAG_TRUE + FLAG_FALSE}; "
+        f"{var.name}={shown(raw)} is not a boolean. Expected one of {FLAG_TRUE + FLAG_FALSE}; "
         f"unset it or set {var.name}=1 / {var.name}=0."
     )
 
@@ -128,7 +144,7 @@ def _parse_nonnegative_float(raw: str, var: EnvVar) -> float:
         value = float("nan")
     if not value >= 0:  # also rejects NaN
         raise InvalidOverrideError(
-            f"{var.name}={raw!r} is not a number >= 0. Fix: set it to e.g. {var.default}, or unset it."
+            f"{var.name}={shown(raw)} is not a number >= 0. Fix: set it to e.g. {var.default}, or unset it."
         )
     return value
 
@@ -141,11 +157,11 @@ def _parse_scale_list(raw: str, var: EnvVar) -> tuple[float, ...] | None:
         values = json.loads(raw)
         ok = isinstance(values, list) and bool(values) and all(
             isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in values)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested past the parser's ~1000 levels
         ok = False
     if not ok:
         raise InvalidOverrideError(
-            f"{var.name} is not a JSON list of numbers > 0", observed=repr(raw[:200]), expected=var.choices,
+            f"{var.name} is not a JSON list of numbers > 0", observed=shown(raw), expected=var.choices,
             fix=f"unset {var.name}: `sparse-attn calibrate` sets it for the engine it starts",
         )
     return tuple(float(v) for v in values)
@@ -154,7 +170,7 @@ def _parse_scale_list(raw: str, var: EnvVar) -> tuple[float, ...] | None:
 def _check_choice(var: EnvVar, value: str, choices: tuple[str, ...], what: str = "value") -> None:
     if value not in choices:
         raise InvalidOverrideError(
-            f"{var.name}: {what} {value!r} is not valid. Valid {what}s: {', '.join(choices)}. "
+            f"{var.name}: {what} {shown(value)} is not valid. Valid {what}s: {', '.join(choices)}. "
             f"Fix: set {var.name} to one of them, or unset it for the default"
             + (f" ({var.default!r})." if var.default else " (let compat probe vLLM).")
         )
@@ -249,6 +265,17 @@ REGISTRY: dict[str, EnvVar] = {
             choices="a JSON list of numbers > 0, e.g. [0.01, 0.5, 12.0]",
             internal=True,
         ),
+        EnvVar(
+            name="SPARSE_ATTN_PRUNE_PASSED_ENVS",
+            default="0",
+            doc=(
+                "Developer / CI only, read by `tools/prune_env.py` (not by the plugin): `1` removes each tox env "
+                "once its tests passed, which keeps the 19-env matrix within disk; `.ci/run` sets it."
+            ),
+            parse=_parse_flag,
+            choices=", ".join(FLAG_FALSE[:1] + FLAG_TRUE[:1]),
+            internal=True,
+        ),
     )
 }
 
@@ -269,7 +296,7 @@ def get(name: str) -> Any:
         value = var.parse(raw if given else var.default, var)
         if given and raw.strip() != var.default and not var.internal and name not in _logged:
             _logged.add(name)
-            logger.info("sparse-attn: override %s=%s applied", name, raw)
+            logger.info("sparse-attn: override %s=%s applied", name, cut(raw))
         _cache[name] = value
     return _cache[name]
 
@@ -283,6 +310,30 @@ def validate_all() -> dict[str, str]:
         except InvalidOverrideError as exc:
             errors[name] = str(exc)
     return errors
+
+
+def unknown(environ: Mapping[str, str] | None = None) -> dict[str, str | None]:
+    """``{name: closest registered name or None}`` for each ``SPARSE_ATTN_*`` variable set in
+    ``environ`` (default ``os.environ``) that is not in the registry: a typo such as
+    ``SPARSE_ATTN_DISABLED`` would otherwise be ignored without a word."""
+    import difflib
+
+    env = os.environ if environ is None else environ
+    found = {}
+    for name in sorted(env):
+        if name.startswith(PREFIX) and name not in REGISTRY:
+            close = difflib.get_close_matches(name, list(REGISTRY), n=1, cutoff=0.6) if len(name) < 128 else []
+            found[name] = close[0] if close else None
+    return found
+
+
+def unknown_warnings(environ: Mapping[str, str] | None = None) -> list[str]:
+    """One sentence per unknown ``SPARSE_ATTN_*`` variable (see :func:`unknown`)."""
+    return [
+        f"{name[:80]} is not a variable sparse-attn reads, so it has no effect"
+        + (f"; did you mean {close}?" if close else f" (known: {', '.join(REGISTRY)})")
+        for name, close in unknown(environ).items()
+    ]
 
 
 def overrides() -> dict[str, str]:

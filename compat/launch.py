@@ -9,11 +9,17 @@ vLLM is imported lazily, only by the functions that need its platform.
 
 from __future__ import annotations
 
+import json
 import os
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
 from compat.errors import CompatError
+
+
+class ServerArgsError(CompatError, ValueError):
+    """A ``vllm serve`` argument the server would reject, found before it starts."""
 
 
 #: The OpenAI-compatible server module. `python -m` on it works for both the
@@ -34,6 +40,186 @@ CPU_OMP_THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 #: Completion request field that makes the server return each choice's ``token_ids``
 #: (every release this project supports accepts it).
 RETURN_TOKEN_IDS_FIELD = "return_token_ids"
+#: GET route that answers 200 once the server is ready.
+SERVER_HEALTH_ROUTE = "/health"
+#: The server flags ``sparse-attn serve`` reads before vLLM starts, each with every spelling
+#: vLLM's parser takes (its ``FlexibleArgumentParser`` turns ``_`` into ``-``).
+SERVER_FLAGS: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    key: tuple(dict.fromkeys((flag, "--" + flag[2:].replace("-", "_"))))
+    for key, flag in (("model", "--model"), ("revision", "--revision"), ("max_model_len", "--max-model-len"),
+                      ("hf_overrides", "--hf-overrides"), ("hf_config_path", "--hf-config-path"))
+})
+#: ``--max-model-len`` suffixes (vLLM's ``human_readable_int``, 0.10+): decimal lower case, binary upper case.
+_LENGTH_SUFFIXES = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "t": 10 ** 12,
+                    "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+_SHOWN = 200
+
+
+def _cut(text: str) -> str:
+    return repr(text) if len(text) <= _SHOWN else f"{text[:_SHOWN]!r}... ({len(text)} characters)"
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """What the OpenAI server will do with the flags in a ``vllm serve`` argument list,
+    as far as sparse-attn's validation needs it (the last occurrence of a flag wins, as
+    in argparse)."""
+
+    #: ``--model`` among the extra arguments (None: not given)
+    model: str | None = None
+    revision: str | None = None
+    #: the ``--max-model-len`` token count; None when absent or ``auto`` / ``-1`` (vLLM derives it)
+    max_model_len: int | None = None
+    #: the ``--hf-overrides`` object: its JSON form, or the dict vLLM builds from the dotted
+    #: form (``--hf-overrides.KEY.SUB VALUE``), which it appends last (None: not given)
+    hf_overrides: Mapping[str, Any] | None = None
+    hf_config_path: str | None = None
+
+
+def _option(arg: str, flag: str) -> bool:
+    """Whether option name ``arg`` (``_`` or ``-``, no value) selects ``flag`` in vLLM's parser:
+    the flag itself, or an abbreviation of it (argparse's ``allow_abbrev``, on in vLLM's
+    parser: a unique prefix of ``--max-model-len`` sets it). An ambiguous abbreviation is
+    vLLM's error to report; read here as the flag it starts."""
+    name = "--" + arg[2:].replace("_", "-")
+    return name == flag or (len(name) > 4 and flag.startswith(name))
+
+
+def _flag_values(args: Sequence[str], flag: str) -> list[str]:
+    values = []
+    for i, arg in enumerate(args):
+        if not arg.startswith("--") or "." in arg.split("=", 1)[0]:
+            continue
+        name, eq, value = arg.partition("=")
+        if _option(name, flag):
+            if eq:
+                values.append(value)
+            elif i + 1 < len(args):
+                values.append(args[i + 1])
+    return values
+
+
+def _dotted_value(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        pass
+    try:
+        return parse_length(raw)  # vLLM reads "80g" / "32k" in dotted arguments as integers
+    except CompatError:
+        return raw
+
+
+def _dotted(args: Sequence[str], flag: str) -> dict[str, Any] | None:
+    """The dict vLLM's parser builds from ``FLAG.KEY.SUB VALUE`` arguments (None when there are none)."""
+    merged: dict[str, Any] = {}
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        head, dot, keys = name.partition(".")
+        if not dot or not _option(head, flag) or not keys:
+            continue
+        if not eq:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        *parents, last = keys.split(".")
+        node = merged
+        for key in parents:  # later arguments win, as in vLLM's recursive update
+            if not isinstance(node.get(key), dict):
+                node[key] = {}
+            node = node[key]
+        node[last] = _dotted_value(value)
+    return merged or None
+
+
+def parse_length(raw: str, flag: str = "--max-model-len") -> int | None:
+    """A ``--max-model-len`` value as vLLM 0.32 reads it: ``32768``, ``32k`` (x1000),
+    ``32K`` (x1024), ``25.6k``; ``auto`` / ``-1`` -> None (vLLM takes the model's limit).
+    Raises ``CompatError`` (a ``ValueError``) for anything else."""
+    text = raw.strip()
+    if text == "-1" or text.lower() == "auto":
+        return None
+    value: float | int | None = None
+    if text.isascii() and len(text) <= 20:  # no context is 21 digits long; int() of 5000 digits raises
+        if text.isdigit():
+            value = int(text)
+        elif len(text) > 1 and text[-1] in _LENGTH_SUFFIXES and text[:-1].replace(".", "", 1).isdigit() \
+                and not (text[-1].isupper() and "." in text):
+            value = int(float(text[:-1]) * _LENGTH_SUFFIXES[text[-1]])
+    if value is None or value <= 0:
+        raise ServerArgsError(
+            f"{flag} {_cut(raw)} is not a token count",
+            observed=_cut(raw), expected="a positive integer such as 32768, or 32k (x1000), 32K (x1024), or auto",
+            fix=f"pass e.g. {flag} 32768",
+        )
+    return int(value)
+
+
+def read_server_args(args: Sequence[str]) -> ServerArgs:
+    """Read :data:`SERVER_FLAGS` from ``args`` (``vllm serve`` arguments). Raises
+    :class:`ServerArgsError` for a value the server would reject: a length that is not a
+    token count, ``--hf-overrides`` that is not a JSON object, an empty ``--revision``."""
+    found = {key: _flag_values(args, names[0]) for key, names in SERVER_FLAGS.items()}
+    last = {key: values[-1] if values else None for key, values in found.items()}
+    revision = last["revision"]
+    if revision is not None and not revision.strip():
+        raise ServerArgsError(
+            "--revision is empty", observed=_cut(revision), expected="a branch, tag or commit hash of the model repository",
+            fix="drop --revision to use the default branch (main), or pass e.g. --revision main",
+        )
+    overrides = None
+    if last["hf_overrides"] is not None:
+        raw = last["hf_overrides"]
+        try:
+            overrides = json.loads(raw)
+        except (ValueError, RecursionError):
+            overrides = None
+        if not isinstance(overrides, dict):
+            raise ServerArgsError(
+                "--hf-overrides is not a JSON object", observed=_cut(raw),
+                expected='a JSON object of config.json keys, e.g. \'{"max_position_embeddings": 8192}\'',
+                fix="quote the JSON for your shell and check it with python -m json.tool",
+            )
+    dotted = _dotted(args, SERVER_FLAGS["hf_overrides"][0])
+    if dotted is not None:
+        overrides = dotted
+    length = last["max_model_len"]
+    return ServerArgs(
+        model=last["model"], revision=revision,
+        max_model_len=parse_length(length) if length is not None else None,
+        hf_overrides=MappingProxyType(overrides) if overrides is not None else None,
+        hf_config_path=last["hf_config_path"],
+    )
+
+
+def apply_hf_overrides(hf_config: Mapping[str, Any], overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``hf_config`` (a ``config.json`` dict) as the server sees it after ``--hf-overrides``.
+
+    vLLM (``ModelConfig._apply_dict_overrides``, 0.32) sets each top-level key, updating
+    recursively only where the existing value is a nested sub-config (serialised with its own
+    ``model_type``, e.g. ``text_config``); every other value, ``sparse_attention_config``
+    and the length keys included, is replaced whole.
+    """
+    merged = dict(hf_config)
+    for key, value in (overrides or {}).items():
+        current = merged.get(key)
+        if isinstance(value, dict) and isinstance(current, dict) and "model_type" in current:
+            merged[key] = apply_hf_overrides(current, value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def collective_rpc_results(response: Any) -> list[Any]:
+    """The per-worker results of a ``POST SERVER_RPC_ROUTE`` response body (vLLM's dev-mode
+    route answers ``{"results": [one per worker]}``). Anything else is an error, not an
+    empty list (which would read as "no workers")."""
+    results = response.get("results") if isinstance(response, Mapping) else None
+    if not isinstance(results, list):
+        raise CompatError(
+            f"the {SERVER_RPC_ROUTE} response has no results list",
+            observed=_cut(repr(response)), expected='{"results": [one entry per worker]}',
+            fix=f"start the server with {SERVER_DEV_MODE_ENV}=1 and a vLLM release listed in README.md",
+        )
+    return results
 
 
 def server_args(*, host: str, port: int, dtype: str, enforce_eager: bool = True, max_model_len: int | None = None,
@@ -84,6 +270,66 @@ def completion_token_ids(choice: Mapping[str, Any]) -> list[int]:
     return [int(i) for i in ids]
 
 
+@dataclass(frozen=True)
+class EngineChoices:
+    """What the installed vLLM accepts for the engine arguments calibrate passes; each field
+    None where no capability answers (then vLLM itself is left to refuse)."""
+
+    vllm_version: str | None
+    #: ``dtype`` values (the ``ModelDType`` literal, else the string-to-dtype table, plus ``auto``)
+    dtypes: tuple[str, ...] | None
+    #: ``attention_backend`` names (the backend enum's member names)
+    backends: tuple[str, ...] | None
+    #: keyword arguments ``vllm.LLM`` takes (its own parameters and ``EngineArgs`` fields)
+    kwargs: frozenset[str] | None
+
+
+def _first_attr(candidates: Sequence[tuple[str, str]]) -> Any:
+    import importlib
+
+    for module, name in candidates:
+        try:
+            value = getattr(importlib.import_module(module), name, None)
+        except Exception:  # noqa: BLE001 - a module that moved or fails to import is just not this release's
+            value = None
+        if value is not None:
+            return value
+    return None
+
+
+def engine_choices() -> EngineChoices | None:
+    """Ask the installed vLLM what its engine accepts (imports vLLM: seconds); None when
+    vLLM is not importable in this process. Capabilities, not versions: each answer comes
+    from the first place the release keeps it."""
+    import dataclasses
+    import inspect
+    import typing
+
+    try:
+        import vllm
+    except ImportError:
+        return None
+    literal = _first_attr([("vllm.config.model", "ModelDType"), ("vllm.config", "ModelDType")])
+    dtypes = tuple(typing.get_args(literal)) or None if literal is not None else None
+    if dtypes is None:
+        table = _first_attr([("vllm.config.model", "_STR_DTYPE_TO_TORCH_DTYPE"), ("vllm.config", "_STR_DTYPE_TO_TORCH_DTYPE")])
+        dtypes = ("auto", *table) if isinstance(table, Mapping) else None
+    enum = _first_attr([("vllm.v1.attention.backends.registry", "AttentionBackendEnum"),
+                        ("vllm.attention.backends.registry", "AttentionBackendEnum"),
+                        ("vllm.attention.backends.registry", "_Backend"), ("vllm.platforms.interface", "_Backend")])
+    backends = tuple(member.name for member in enum) if enum is not None else None
+    names: set[str] = set()
+    engine_args = _first_attr([("vllm.engine.arg_utils", "EngineArgs")])
+    if engine_args is not None and dataclasses.is_dataclass(engine_args):
+        names |= {f.name for f in dataclasses.fields(engine_args)}
+    llm = getattr(vllm, "LLM", None)
+    if llm is not None:
+        params = inspect.signature(llm.__init__).parameters.values()
+        names |= {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"}
+    return EngineChoices(vllm_version=getattr(vllm, "__version__", None), dtypes=dtypes, backends=backends,
+                         kwargs=frozenset(names) if engine_args is not None else None)
+
+
 def platform_is_cpu() -> bool:
     """True when vLLM's current platform is the CPU one (no device memory fraction)."""
     from vllm.platforms import current_platform
@@ -125,6 +371,8 @@ CALIBRATION_ENGINE_KWARGS: Mapping[str, str] = MappingProxyType({
     "dtype": "use --dtype",
     "seed": "use --seed",
     "attention_backend": "use --attention_backend",
+    "max_num_batched_tokens": "calibration sets it to max_model_len so one scheduler step holds a whole prompt "
+                              "(a chunked prefill would be counted as several); drop the key",
 })
 
 #: ``config.json`` keys vLLM derives a model's context limit from: the smallest

@@ -16,12 +16,17 @@ were). Per launch (``forward(*args, **kwargs)``, normalised by
   the phase mask comes from ``compat.model.BatchDescription.decode_mask``, the
   kernel runs once with ``check=False``, and its counts are added to device
   counters (``WorkerStats.add_device``);
-* **prefill and mixed batches** (vLLM runs attention eagerly there): host-side
-  batch lists, one kernel launch per phase, each sequence with its own threshold
-  ``lambda = a * exp(b * target) / kv_len``;
+* **prefill and mixed batches** (vLLM runs attention eagerly there): the step's one
+  batch description (``compat.model.describe_batch``: vLLM's host copies of the lengths, or
+  one device read per step) gives each phase's rows, one kernel launch per phase with that
+  host copy (no device read per layer), each sequence with its own threshold
+  ``lambda = a * exp(b * target) / kv_len`` computed on the device, counts added to device
+  counters;
 * in calibration mode, the dense counting kernel for a grid of candidate scale
   factors, integer counts per phase (always eager: calibration runs enforce_eager).
 
+Each layer's ``LayerSpec`` (window, soft-cap, sink logits, fp8 scales: ``layer_spec``) is built
+once at install from compat's ``LayerFeatures``; every launch of the layer passes it to the kernels.
 New tokens are stored through ``compat.cache_writer`` when the release's
 forward path owns the write (exactly once: never when the native path ran,
 which writes for itself). Nothing here knows a vLLM release or a cache layout.
@@ -29,7 +34,6 @@ which writes for itself). Nothing here knows a vLLM release or a cache layout.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -39,7 +43,8 @@ import torch
 import compat
 from compat import model as cmodel
 from compat import worker as cworker
-from sparse_attn.kernels import LayerSpec, PagedBatch, effective_lambda, paged_attention, paged_attention_counts
+from sparse_attn.kernels import BatchMeta, LayerSpec, PagedBatch, effective_lambda, paged_attention, paged_attention_counts
+from sparse_attn.kernels import support
 from sparse_attn.protocol import PHASES
 from sparse_attn.stats import DEVICE_COUNTER_INDEX, STATS, WorkerStats
 
@@ -69,10 +74,23 @@ class Policy:
 
 def make_sparse(layer: Any, info: cmodel.LayerInfo, policy: Policy, stats: WorkerStats = STATS) -> Any:
     """Replace ``layer.impl`` by a sparse impl carrying its state; returns the new impl.
-    Raises ``compat.ImplReplacementError`` when the impl cannot be replaced."""
+    Raises ``compat.ImplReplacementError`` when the impl cannot be replaced, ``ValueError`` for a
+    layer ``kernels.support.unsupported`` refuses (the plugin keeps those native)."""
     return cworker.replace_impl(layer, SparseAttentionMixin, {
         "_sa_info": info, "_sa_policy": policy, "_sa_stats": stats, "_sa_writer": compat.cache_writer(info.backend),
+        "_sa_spec": layer_spec(layer, info),
     })
+
+
+def layer_spec(layer: Any, info: cmodel.LayerInfo) -> LayerSpec:
+    """The layer's ``LayerSpec``, built once at install from compat's ``LayerFeatures``: its window,
+    soft-cap, sink logits (the impl's ``[num_heads]`` tensor as loaded; install runs after the
+    weights are) and, for an fp8 cache, the layer's own ``k_scale`` / ``v_scale`` tensors (0-d,
+    on its device, updated in place by vLLM: the kernels read them on the device, so a scale
+    vLLM computes at the first forward is the one they use)."""
+    k_scale, v_scale = cmodel.layer_kv_scales(layer)
+    return support.spec_for(info.features, scale=info.scale, sink_logits=cmodel.layer_sinks(layer),
+                            k_scale=k_scale, v_scale=v_scale)
 
 
 class SparseAttentionMixin:
@@ -82,6 +100,7 @@ class SparseAttentionMixin:
     _sa_policy: Policy
     _sa_stats: WorkerStats
     _sa_writer: Callable[..., None] | None
+    _sa_spec: LayerSpec
 
     def forward(self, *args, **kwargs):
         call = cworker.describe_call(*args, **kwargs)
@@ -102,14 +121,21 @@ class SparseAttentionMixin:
         return self._eager(call, batch)
 
     # ------------------------------------------------------------------ shared
-    def _views(self, call: cworker.ImplCall, batch: cmodel.BatchDescription, *, check: bool):
+    def _views(self, call: cworker.ImplCall, batch: cmodel.BatchDescription):
+        """Store this step's new tokens where the sparse path owns the write, and return the
+        query ``[T, Hq, D]``, the output ``[T, Hq, D]`` and the K/V cache views. The write is
+        the capture-safe one (``check=False``): no host read, padding slots skipped by shape."""
         info = self._sa_info
         n = batch.num_tokens
         isa = cmodel.layer_cpu_isa(call.layer)
+        kv_dtype = info.features.kv_cache_dtype
         if self._sa_writer is not None:
+            k_scale, v_scale = cmodel.layer_kv_scales(call.layer)
             self._sa_writer(call.key[:n], call.value[:n], call.kv_cache, batch.slot_mapping[:n],
-                            head_size=info.head_size, backend=info.backend, isa=isa, check=check)
-        key_cache, value_cache = compat.kv_cache_views(call.kv_cache, head_size=info.head_size, backend=info.backend, isa=isa)
+                            head_size=info.head_size, backend=info.backend, isa=isa, check=False,
+                            kv_cache_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)
+        key_cache, value_cache = compat.kv_cache_views(call.kv_cache, head_size=info.head_size, backend=info.backend,
+                                                       isa=isa, kv_cache_dtype=kv_dtype)
         q = call.query[:n].view(n, info.num_heads, info.head_size)
         out = call.output[:n].view(n, info.num_heads, info.head_size)
         return q, out, key_cache, value_cache
@@ -119,84 +145,67 @@ class SparseAttentionMixin:
         """Every query length <= 1. Reads no device data on the host: shapes and host
         ints (``num_tokens``, ``max_query_len``) only."""
         self._sa_stats.count_call()
-        q, out, key_cache, value_cache = self._views(call, batch, check=False)
+        q, out, key_cache, value_cache = self._views(call, batch)
         scale = float(self._sa_policy.scale_factors[DECODE])
         lam = effective_lambda(scale, batch.seq_lens)  # the host path's rule, on the device
         lam = torch.where(batch.decode_mask(), lam, torch.zeros_like(lam))  # q_len 0: dense (nothing to do)
         result, skipped, visited = paged_attention(
             PagedBatch(q, key_cache, value_cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
                        max_query_len=int(batch.max_query_len)),
-            LayerSpec(self._sa_info.scale), threshold=lam, return_counts=True, out=out, check=False,
+            self._sa_spec, threshold=lam, return_counts=True, out=out, check=False,
         )
-        # A launch whose every lambda is 0 counts as dense (as the eager path does); otherwise
-        # as one sparse launch with its tiles. Computed on the device, read by snapshot().
-        sparse = (lam > 0).any().to(torch.int64)
-        counts = torch.zeros(len(DEVICE_COUNTER_INDEX), dtype=torch.int64, device=skipped.device)
-        counts[DEVICE_COUNTER_INDEX["skipped"]] = skipped.sum() * sparse
-        counts[DEVICE_COUNTER_INDEX["visited"]] = visited.sum() * sparse
-        counts[DEVICE_COUNTER_INDEX["launches"]] = sparse
-        counts[DEVICE_COUNTER_INDEX["dense_launches"]] = 1 - sparse
-        self._sa_stats.add_device(DECODE, counts)
+        self._sa_stats.add_device(DECODE, _launch_counts(lam, skipped, visited))
         if result is not out:  # the kernel returns ``out`` itself; a copy only if an impl did not
             out.copy_(result)
 
     # ------------------------------------------------------------------ prefill / mixed / calibration (eager)
     def _eager(self, call: cworker.ImplCall, batch: cmodel.BatchDescription):
-        policy = self._sa_policy
-        starts = batch.query_start_loc.tolist()
-        kv_lens = batch.seq_lens.tolist()
-        num_seqs = len(kv_lens)
-        q_lens = [starts[s + 1] - starts[s] for s in range(num_seqs)]
-        phases = [DECODE if cmodel.BatchDescription.is_decode(q) else PREFILL for q in q_lens]
+        """Prefill and mixed batches (vLLM runs attention eagerly there), and calibration.
 
-        lambdas: list[float | None] = [None] * num_seqs
-        if policy.calibration_scales is None:
-            lambdas = [policy.lambda_for(phases[s], kv_lens[s]) for s in range(num_seqs)]
-            if all(lam is None for lam in lambdas):
-                for phase in set(phases):
-                    self._sa_stats.add_native(phase)
-                return cworker.call_native(self, call)
+        The batch lengths come from the step's one description (``BatchDescription.phase_rows``:
+        vLLM's host copies, or one device read for the whole step), so a layer reads no device
+        data on the host: one launch per phase with that host copy, lambdas on the device,
+        counts added to device counters."""
+        policy = self._sa_policy
+        phases = batch.phase_rows()
+        if policy.calibration_scales is None and not any(
+                policy.lambda_for(phase, kv_len) for phase, rows in phases.items() for kv_len in rows.kv_lens):
+            for phase in phases:
+                self._sa_stats.add_native(phase)
+            return cworker.call_native(self, call)
 
         self._sa_stats.count_call()
-        q, out, key_cache, value_cache = self._views(call, batch, check=True)
-        by_phase: dict[str, list[int]] = {}
-        for s in range(num_seqs):
-            if q_lens[s]:
-                by_phase.setdefault(phases[s], []).append(s)
-        for phase, seqs in by_phase.items():
+        q, out, key_cache, value_cache = self._views(call, batch)
+        spec = self._sa_spec
+        for phase, rows in phases.items():
             if policy.calibration_scales is not None:
                 # Calibration feeds one sequence at a time, and a candidate's lambda
                 # must be masked per sequence (>= 1 at short lengths): per-sequence launches.
-                for s in seqs:
-                    self._count(phase, q, out, key_cache, value_cache, batch, starts, [s], kv_lens[s])
+                for seq in rows.seqs:
+                    self._count(phase, q, out, key_cache, value_cache, spec, batch.rows_of((seq,)))
                 continue
-            rows, block_table, seq_lens, query_start_loc = _select(batch, starts, seqs)
-            phase_lambdas = [lambdas[s] or 0.0 for s in seqs]  # 0 = dense for that sequence
-            if not any(phase_lambdas):
-                out[rows] = paged_attention(PagedBatch(q[rows], key_cache, value_cache, block_table, seq_lens, query_start_loc),
-                                            LayerSpec(self._sa_info.scale))
+            paged = _paged(q, key_cache, value_cache, rows)
+            scale = policy.scale_factors.get(phase)
+            if not any(policy.lambda_for(phase, kv_len) for kv_len in rows.kv_lens):
+                _store(out, rows, paged_attention(paged, spec, out=_out_view(out, rows)))
                 self._sa_stats.add_dense(phase)
                 continue
-            result, skipped, visited = paged_attention(
-                PagedBatch(q[rows], key_cache, value_cache, block_table, seq_lens, query_start_loc),
-                LayerSpec(self._sa_info.scale), threshold=phase_lambdas, return_counts=True,
-            )
-            out[rows] = result
-            self._sa_stats.add(phase, int(skipped.sum()), int(visited.sum()))
+            lam = effective_lambda(scale, rows.seq_lens)  # on the device: no host -> device copy per layer
+            result, skipped, visited = paged_attention(paged, spec, threshold=lam, return_counts=True,
+                                                       out=_out_view(out, rows))
+            _store(out, rows, result)
+            self._sa_stats.add_device(phase, _launch_counts(lam, skipped, visited))
         self._sa_stats.maybe_log(policy.stats_interval_s)
         return call.output
 
-    def _count(self, phase, q, out, key_cache, value_cache, batch, starts, seqs, kv_len) -> None:
-        rows, block_table, seq_lens, query_start_loc = _select(batch, starts, seqs)
+    def _count(self, phase, q, out, key_cache, value_cache, spec, rows) -> None:
+        (kv_len,) = rows.kv_lens
         candidates = [effective_lambda(scale, kv_len) for scale in self._sa_policy.calibration_scales]
-        result, skipped, visited = paged_attention_counts(
-            PagedBatch(q[rows], key_cache, value_cache, block_table, seq_lens, query_start_loc),
-            LayerSpec(self._sa_info.scale), candidates,
-        )
-        out[rows] = result
+        result, skipped, visited = paged_attention_counts(_paged(q, key_cache, value_cache, rows), spec, candidates)
+        _store(out, rows, result)
         # Serving runs dense where lambda >= 1 (effective lambda 0), so those candidates have no data here.
         usable = [lam > 0 for lam in candidates]
-        tiles = int(visited.sum())
+        tiles = int(visited.sum())  # calibration only (CPU, eager): integer counts for the driver's fit
         self._sa_stats.add_candidates(
             phase,
             [int(n) if ok else 0 for n, ok in zip(skipped.sum(dim=1).tolist(), usable)],
@@ -204,19 +213,36 @@ class SparseAttentionMixin:
         )
 
 
+def _paged(q, key_cache, value_cache, rows: cmodel.PhaseRows) -> PagedBatch:
+    """One phase's launch, with its host copy: the kernel reads no device data on the host."""
+    host = BatchMeta(rows.kv_lens, rows.q_starts, rows.q_lens)
+    return PagedBatch(q[rows.rows], key_cache, value_cache, rows.block_table, rows.seq_lens, rows.query_start_loc, host=host)
+
+
+def _out_view(out: torch.Tensor, rows: cmodel.PhaseRows) -> torch.Tensor | None:
+    """The phase's rows of ``out`` when they are a view (adjacent sequences): the kernel writes there."""
+    return out[rows.rows] if isinstance(rows.rows, slice) else None
+
+
+def _store(out: torch.Tensor, rows: cmodel.PhaseRows, result: torch.Tensor) -> None:
+    if not isinstance(rows.rows, slice):
+        out[rows.rows] = result
+    elif result.data_ptr() != out[rows.rows].data_ptr():
+        out[rows.rows] = result
+
+
+def _launch_counts(lam: torch.Tensor, skipped: torch.Tensor, visited: torch.Tensor) -> torch.Tensor:
+    """int64 ``[len(PHASE_COUNTERS)]`` of one launch, on the device (nothing read): a launch
+    whose every lambda is 0 counts as dense, otherwise as one sparse launch with its tiles."""
+    sparse = (lam > 0).any().to(torch.int64)
+    counts = torch.zeros(len(DEVICE_COUNTER_INDEX), dtype=torch.int64, device=skipped.device)
+    counts[DEVICE_COUNTER_INDEX["skipped"]] = skipped.sum() * sparse
+    counts[DEVICE_COUNTER_INDEX["visited"]] = visited.sum() * sparse
+    counts[DEVICE_COUNTER_INDEX["launches"]] = sparse
+    counts[DEVICE_COUNTER_INDEX["dense_launches"]] = 1 - sparse
+    return counts
+
+
 def _capturing() -> bool:
     """True while a CUDA graph is being captured on the current stream (a host query)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def _select(batch: cmodel.BatchDescription, starts: list[int], seqs: list[int]):
-    """Query rows, block table ``[S', max_blocks]``, KV lengths ``[S']`` and query
-    offsets ``[S' + 1]`` of the sequences ``seqs`` (a slice when they are adjacent)."""
-    index = torch.tensor(seqs, device=batch.seq_lens.device)
-    lens = [starts[s + 1] - starts[s] for s in seqs]
-    offsets = torch.tensor([0, *itertools.accumulate(lens)], dtype=batch.query_start_loc.dtype, device=batch.query_start_loc.device)
-    if seqs == list(range(seqs[0], seqs[-1] + 1)):
-        rows = slice(starts[seqs[0]], starts[seqs[-1] + 1])
-        return rows, batch.block_table[seqs[0] : seqs[-1] + 1], batch.seq_lens[seqs[0] : seqs[-1] + 1], offsets
-    rows = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in seqs]).to(batch.seq_lens.device)
-    return rows, batch.block_table[index], batch.seq_lens[index], offsets

@@ -10,19 +10,16 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from typing import Sequence
 
+# The dispatcher imports its subcommands, never the other way round (no import cycle).
+from sparse_attn.calibration.cli import DEFAULT_OUTPUT, calibrate
+from sparse_attn.config import DISABLE_HINT
 from sparse_attn.errors import EXIT_USAGE, CliError
-
-#: ``--output`` when not given. Deliberately NOT ``sparse_attention_config.json``: vLLM's
-#: Qwen dual-chunk attention models (HF config with ``dual_chunk_attention_config``) load
-#: that file from the checkpoint directory, so the old default, run from inside a
-#: checkpoint, created or replaced a file the model reads.
-DEFAULT_OUTPUT = "./sparse_attn_calibration.json"
-#: A checkpoint file vLLM itself reads (Qwen dual-chunk attention's sparse settings).
-QWEN_DUAL_CHUNK_FILE = "sparse_attention_config.json"
+from sparse_attn.jsonio import shorten
 
 
 def _add_calibrate(sub: argparse._SubParsersAction) -> None:
@@ -56,7 +53,7 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     add("--tensor_parallel_size", "--tensor-parallel-size", type=int, default=1, help="tensor-parallel ranks; counts are summed across them (default 1)")
     add("--pipeline_parallel_size", "--pipeline-parallel-size", type=int, default=1, help="pipeline stages; each stage counts only its own layers and the counts are summed across stages (default 1)")
     add("--update_checkpoint_config", "--update-checkpoint-config", action="store_true", help="merge the result into CKPT/config.json atomically: only the skip-softmax group's curve and targets (and the producer) change, every other key and ModelOpt group is kept verbatim; refused before calibrating when sparse_attention_config is the model's own (e.g. MiniMax-M3's)")
-    add("--output", default=DEFAULT_OUTPUT, help=f"file to write the calibration report to (default {DEFAULT_OUTPUT}); never the checkpoint's config.json or sparse_attention_config.json (Qwen dual-chunk attention reads that one)")
+    add("--output", default=DEFAULT_OUTPUT, help=f"file to write the calibration report to (default {DEFAULT_OUTPUT}): a regular file or a new name in a real directory, never a path inside the checkpoint (its config.json, Qwen dual-chunk's sparse_attention_config.json, weights, subdirectories, the files its links point to), a symlink, FIFO or device")
     add("--engine_kwargs", "--engine-kwargs", default="{}", help='JSON of extra vllm.LLM arguments, e.g. \'{"kv_cache_memory_bytes": 1073741824}\'; keys calibration sets itself (model, max_model_len, tensor_parallel_size, pipeline_parallel_size, enforce_eager, enable_prefix_caching, dtype, seed, attention_backend) are refused')
     add("--plot", default=None, metavar="PATH", help="write one PNG per phase (PATH_prefill.png, PATH_decode.png)")
     add("--seed", type=int, default=0, help="seed for synthetic data and vLLM (default 0)")
@@ -180,8 +177,16 @@ def _add_model(sub: argparse._SubParsersAction) -> None:
     msub.add_parser("list", help="the models this command installs, their licences and packages")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its error messages cut: they quote the offending value whole
+    ("invalid float value: '...'"), 100 KB of it for a 100 KB argument (issue 19)."""
+
+    def error(self, message: str):
+        super().error(shorten(message, 600))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sparse-attn", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="sparse-attn", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_calibrate(sub)
     _add_serve(sub)
@@ -189,6 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(sub)
     _add_eval(sub)
     return parser
+
+
+#: Linux's limits (limits.h NAME_MAX / PATH_MAX), quoted when a path is too long.
+_NAME_MAX, _PATH_MAX = 255, 4096
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -201,8 +210,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         args, rest = parser.parse_args(argv), []
     try:
         if args.command == "calibrate":
-            from sparse_attn.calibration.cli import calibrate
-
             return calibrate(args)
         if args.command == "serve":
             return serve(args.checkpoint, rest, validate_only=args.validate_only)
@@ -221,6 +228,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"sparse-attn {args.command}: interrupted; nothing was written", file=sys.stderr)
         return 130
+    except OSError as exc:
+        # pathlib's exists()/is_dir()/is_file() let ENAMETOOLONG through, at every place a
+        # user's path is looked at (a 100 KB --prompts_file, --plot, eval CKPT, model get DIR):
+        # one answer here instead of a guard at each.
+        if exc.errno != errno.ENAMETOOLONG:
+            raise
+        name = str(exc.filename)
+        print(f"sparse-attn {args.command}: error: the path {shorten(name)} is longer than this filesystem accepts "
+              f"(a name of at most {_NAME_MAX} bytes, a path of at most {_PATH_MAX}; this one has {len(name)} characters). "
+              f"Fix: pass a shorter path", file=sys.stderr)
+        return EXIT_USAGE
 
 
 def model(args) -> int:
@@ -240,22 +258,9 @@ def model(args) -> int:
 
 def serve_command(checkpoint: str, vllm_args: Sequence[str]) -> list[str]:
     """The argv that starts vLLM's OpenAI server on ``checkpoint``."""
-    from compat.launch import OPENAI_SERVER_MODULE
+    from compat.launch import OPENAI_SERVER_MODULE, SERVER_FLAGS
 
-    return [sys.executable, "-m", OPENAI_SERVER_MODULE, "--model", checkpoint, *vllm_args]
-
-
-def _vllm_arg(vllm_args: Sequence[str], *names: str) -> str | None:
-    """The value of the last ``FLAG VALUE`` / ``FLAG=VALUE`` among vLLM's arguments, for any of ``names``."""
-    value = None
-    args = list(vllm_args)
-    for i, arg in enumerate(args):
-        for name in names:
-            if arg == name and i + 1 < len(args):
-                value = args[i + 1]
-            elif arg.startswith(name + "="):
-                value = arg[len(name) + 1:]
-    return value
+    return [sys.executable, "-m", OPENAI_SERVER_MODULE, SERVER_FLAGS["model"][0], checkpoint, *vllm_args]
 
 
 def _looks_like_path(model: str) -> bool:
@@ -272,7 +277,7 @@ def _resolve_checkpoint(model: str, revision: str | None) -> tuple[str | None, s
         return model, None
     if os.path.exists(model) or _looks_like_path(model):
         raise CliError(
-            f"checkpoint {model!r} is not a directory (nor a Hugging Face model ID). "
+            f"checkpoint {shorten(model)!r} is not a directory (nor a Hugging Face model ID). "
             f"Fix: pass a local checkpoint directory holding config.json, or a model ID such as org/name"
         )
     try:
@@ -284,40 +289,74 @@ def _resolve_checkpoint(model: str, revision: str | None) -> tuple[str | None, s
         validate_repo_id(model)
     except HFValidationError as exc:
         raise CliError(
-            f"checkpoint {model!r} is neither a local directory nor a valid Hugging Face model ID ({exc}). "
-            f"Fix: pass a local checkpoint directory holding config.json, or a model ID such as org/name"
+            f"checkpoint {shorten(model)!r} is neither a local directory nor a valid Hugging Face model ID "
+            f"({shorten(str(exc))}). Fix: pass a local checkpoint directory holding config.json, or a model ID such as org/name"
         ) from None
     cached = try_to_load_from_cache(model, "config.json", revision=revision)
     if isinstance(cached, str):
         return os.path.dirname(cached), None
-    at = f" at revision {revision}" if revision else ""
+    at = f" at revision {shorten(revision)}" if revision else ""
     return None, f"no snapshot of {model}{at} is in the local Hugging Face cache yet"
 
 
-def serve(checkpoint: str, vllm_args: Sequence[str], *, validate_only: bool = False) -> int:
-    """Validate ``checkpoint``'s sparse_attention_config as the plugin will read it, print
-    the plugin's warnings, then exec vLLM's OpenAI server (unless ``validate_only``)."""
-    from compat import envs
-    from compat.errors import InvalidOverrideError
+def _check_environment(envs) -> bool:
+    """Every ``SPARSE_ATTN_*`` variable as the server's processes will parse it: an invalid
+    value (start-up would fail in every vLLM process), the internal calibration variable set
+    by hand (workers would count tiles with dense outputs), an unknown name (a warning naming
+    the closest known one). Returns whether the plugin is disabled."""
+    from sparse_attn.protocol import CALIBRATION_ENV
 
+    errors = envs.validate_all()
+    if errors:
+        raise CliError("; ".join(errors.values()) + " (every vLLM process would fail to start the same way)")
+    for warning in envs.unknown_warnings():
+        say(f"warning: {warning}")
+    disabled = envs.get("SPARSE_ATTN_DISABLE")
+    if not disabled and envs.get(CALIBRATION_ENV) is not None:
+        raise CliError(
+            f"{CALIBRATION_ENV} is set ({envs.shown(os.environ[CALIBRATION_ENV])}): it puts every worker in calibration "
+            f"mode, which counts skippable tiles and serves dense outputs. Fix: unset {CALIBRATION_ENV}; only "
+            f"`sparse-attn calibrate` sets it, for the engine it starts"
+        )
+    return disabled
+
+
+def serve(checkpoint: str, vllm_args: Sequence[str], *, validate_only: bool = False) -> int:
+    """Validate ``checkpoint``'s sparse_attention_config as the plugin will read it (the same
+    start-up policy, the server's own flags and environment), print the plugin's warnings,
+    then exec vLLM's OpenAI server (unless ``validate_only``)."""
+    from compat import envs, launch
+
+    if not checkpoint.strip():
+        raise CliError("CKPT is empty; expected a checkpoint directory holding config.json, or a Hugging Face model ID. "
+                       "Fix: pass e.g. sparse-attn serve ./my-checkpoint or sparse-attn serve org/name")
+    disabled = _check_environment(envs)
     try:
-        disabled, strict = envs.get("SPARSE_ATTN_DISABLE"), envs.get("SPARSE_ATTN_STRICT")
-    except InvalidOverrideError as exc:  # the plugin would fail the same way in every vLLM process
+        server = launch.read_server_args(vllm_args)
+    except launch.ServerArgsError as exc:
         raise CliError(str(exc)) from None
+    if server.model is not None and server.model != checkpoint:
+        flag = launch.SERVER_FLAGS["model"][0]
+        raise CliError(
+            f"{flag} {shorten(server.model)} is given beside CKPT {shorten(checkpoint)}: the server would load "
+            f"{shorten(server.model)}, not the checkpoint validated here. Fix: drop {flag}; CKPT is the model"
+        )
     if disabled:
         say("SPARSE_ATTN_DISABLE=1: the plugin is off and the config is not checked; vLLM attention stays native")
     else:
-        ckpt_dir, why_not = _resolve_checkpoint(checkpoint, _vllm_arg(vllm_args, "--revision"))
+        # The config the server reads: --hf-config-path when given, else the model's own.
+        source = server.hf_config_path or checkpoint
+        ckpt_dir, why_not = _resolve_checkpoint(source, server.revision)
         if ckpt_dir is None:
-            say(f"{checkpoint}: {why_not}; its sparse_attention_config is NOT validated here (vLLM downloads the "
+            say(f"{source}: {why_not}; its sparse_attention_config is NOT validated here (vLLM downloads the "
                 f"model and the plugin checks the config in each worker, failing start-up if it is malformed)")
         else:
-            _validate(checkpoint, ckpt_dir, vllm_args, strict=strict)
+            _validate(source, ckpt_dir, server, strict=envs.get("SPARSE_ATTN_STRICT"))
     command = serve_command(checkpoint, vllm_args)
     if validate_only:
-        say("--validate-only: not starting vLLM; the command would be " + " ".join(command))
+        say("--validate-only: not starting vLLM; the command would be " + shorten(" ".join(command), 2000))
         return 0
-    say("exec " + " ".join(command))
+    say("exec " + shorten(" ".join(command), 2000))
     sys.stdout.flush()
     os.execv(command[0], command)
     return 0  # not reached
@@ -327,42 +366,38 @@ def say(text: str) -> None:
     print(f"sparse-attn serve: {text}", file=sys.stderr)
 
 
-def _validate(checkpoint: str, ckpt_dir: str, vllm_args: Sequence[str], *, strict: bool) -> None:
-    """Read the section from ``ckpt_dir/config.json`` the way the plugin will; print its
+def _validate(checkpoint: str, ckpt_dir: str, server, *, strict: bool) -> None:
+    """Read the section from ``ckpt_dir/config.json`` (with the server's ``--hf-overrides``
+    applied) and decide start-up as the plugin will (``config.startup_notes``); print its
     notes and warnings; raise ``CliError`` where the plugin would fail start-up."""
-    from sparse_attn.config import DISABLE_HINT, SECTION_KEY, SparseAttentionConfigError, read_config_json, read_section
+    from compat.launch import SERVER_FLAGS, apply_hf_overrides, model_length_limit
+    from sparse_attn.config import SECTION_KEY, SparseAttentionConfigError, StartupRefused, read_config_json, startup_notes
 
     config_path = os.path.join(ckpt_dir, "config.json")
     shown = config_path if os.path.abspath(ckpt_dir) == os.path.abspath(checkpoint) else f"{checkpoint} ({config_path})"
     try:
         data = read_config_json(ckpt_dir)
-        reading = read_section(data.get(SECTION_KEY), source=config_path)
     except SparseAttentionConfigError as exc:
         raise CliError(f"{exc}; {DISABLE_HINT}") from None
-    if reading.config is None and not reading.ours:
-        if reading.present:
-            say(f"{shown}: {reading.note}")
-        else:
-            say(f"{shown} has no sparse_attention_config; serving with native attention")
-        return
-    if reading.unserved and strict:
-        raise CliError(
-            f"SPARSE_ATTN_STRICT=1 and {shown} has group(s) this runtime does not serve: "
-            + "; ".join(f"{g.name} (algorithm {g.algorithm!r})" for g in reading.unserved)
-            + f". Fix: unset SPARSE_ATTN_STRICT to serve the skip_softmax group only, {DISABLE_HINT}"
-        )
-    config = reading.config
-    if config is None:
-        for group in reading.unserved:
-            say(f"warning: {group.message()}")
-        say(f"{shown}: {reading.note}")
-        return
-    raw_len = _vllm_arg(vllm_args, "--max-model-len", "--max_model_len")
-    max_kv_len = int(raw_len) if raw_len is not None and raw_len.isdigit() else data.get("max_position_embeddings")
-    for note in config.warnings + config.never_skip_warnings(max_kv_len if isinstance(max_kv_len, int) else None):
+    source = config_path
+    if server.hf_overrides:
+        data = apply_hf_overrides(data, server.hf_overrides)
+        if SECTION_KEY in server.hf_overrides:
+            source = f"{SERVER_FLAGS['hf_overrides'][0]} (over {config_path})"
+    limit = model_length_limit(data)
+    max_kv_len = server.max_model_len if server.max_model_len is not None else (limit[0] if limit else None)
+    try:
+        startup = startup_notes(data.get(SECTION_KEY), source=source, model=checkpoint, max_kv_len=max_kv_len, strict=strict)
+    except StartupRefused as exc:
+        raise CliError(str(exc)) from None
+    for note in startup.warnings:
         say(f"warning: {note}")
-    targets = ", ".join(f"{p} {config.effective_target(p):g}" for p in config.calibrated_phases) or "none"
-    say(f"{shown}: skip-softmax group {config.group.name} validated (target sparsity: {targets})")
+    for note in startup.info:
+        say(note)
+    config = startup.config
+    if config is not None:
+        targets = ", ".join(f"{p} {config.effective_target(p):g}" for p in config.calibrated_phases) or "none"
+        say(f"{shown}: skip-softmax group {config.group.name} validated (target sparsity: {targets})")
 
 
 if __name__ == "__main__":

@@ -20,13 +20,7 @@ from compat import envs, graphs, patches
 from compat import model as cmodel
 from compat import worker as cworker
 from sparse_attn.adapter import Policy, make_sparse
-from sparse_attn.config import (
-    DISABLE_HINT,
-    SECTION_KEY,
-    SparseAttentionConfig,
-    SparseAttentionConfigError,
-    read_section,
-)
+from sparse_attn.config import SECTION_KEY, SparseAttentionConfig, StartupRefused, startup_notes
 from sparse_attn.kernels import support
 from sparse_attn.kernels import cpu_impl
 from sparse_attn.protocol import CALIBRATION_ENV, PHASES, STATS_RPC
@@ -83,40 +77,22 @@ def _load_config(worker: Any, *, calibrating: bool = False) -> SparseAttentionCo
 
     Read from the HF config vLLM parsed (``compat.cworker.worker_hf_config_section``),
     so hub IDs, ``--revision`` and ``--hf-overrides`` behave like a local
-    directory. A section that is absent or not ours (e.g. MiniMax-M3's own
-    ``sparse_attention_config``) gets one info line and never fails start-up;
-    groups we do not serve are warnings (errors under ``SPARSE_ATTN_STRICT=1``);
-    a malformed skip-softmax group fails start-up with its key path.
+    directory. What it means is decided by ``sparse_attn.config.startup_notes``,
+    the policy ``sparse-attn serve --validate-only`` previews, with the worker's
+    ``max_model_len`` as the served length.
     """
     model = cworker.worker_checkpoint(worker)
-    source = f"the HF config of {model}"
     try:
-        reading = read_section(cworker.worker_hf_config_section(worker, SECTION_KEY), source=source)
-    except SparseAttentionConfigError as exc:
-        raise SparseAttentionStartupError(f"sparse-attn: {exc}; {DISABLE_HINT}.") from None
-    if reading.config is None and not reading.ours:
-        if calibrating:  # counting mode installs without a config; "left native" would be false
-            return None
-        if not reading.present:
-            logger.info("sparse-attn: %s has no sparse_attention_config in config.json; vLLM attention left native", model)
-        else:
-            logger.info("sparse-attn: %s: %s", model, reading.note)
-        return None
-    if reading.unserved and envs.get("SPARSE_ATTN_STRICT"):
-        raise SparseAttentionStartupError(
-            f"sparse-attn: SPARSE_ATTN_STRICT=1 and {source} has {len(reading.unserved)} group(s) this runtime "
-            f"does not serve: " + "; ".join(f"{g.name} (algorithm {g.algorithm!r})" for g in reading.unserved)
-            + f". Fix: unset SPARSE_ATTN_STRICT to serve the skip_softmax group only, {DISABLE_HINT}."
-        )
-    config = reading.config
-    if config is None:  # ModelOpt metadata without a skip_softmax group
-        for group in reading.unserved:
-            logger.warning("sparse-attn: %s", group.message())
-        logger.info("sparse-attn: %s: %s", model, reading.note)
-        return None
-    for note in config.warnings + config.never_skip_warnings(cworker.worker_max_model_len(worker)):
+        startup = startup_notes(cworker.worker_hf_config_section(worker, SECTION_KEY), source=f"the HF config of {model}",
+                                model=str(model), max_kv_len=cworker.worker_max_model_len(worker), strict=envs.get("SPARSE_ATTN_STRICT"))
+    except StartupRefused as exc:
+        raise SparseAttentionStartupError(f"sparse-attn: {exc}") from None
+    for note in (*envs.unknown_warnings(), *startup.warnings):
         logger.warning("sparse-attn: %s", note)
-    return config
+    if not calibrating:  # counting mode installs without a config; "left native" would be false
+        for note in startup.info:
+            logger.info("sparse-attn: %s", note)
+    return startup.config
 
 
 def install_in_worker(worker: Any) -> dict:

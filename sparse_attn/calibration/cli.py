@@ -13,7 +13,7 @@ so a plotting failure cannot lose the calibration.
 from __future__ import annotations
 
 import contextlib
-import json
+import difflib
 import os
 import time
 from dataclasses import dataclass
@@ -30,14 +30,34 @@ from sparse_attn.calibration.export import (
     write_json_atomic,
 )
 from sparse_attn.calibration.fit import fit_counts
-from sparse_attn.calibration.prompts import SAMPLES_FILE, CalibrationSample, ChatTemplatePrompts, check_lengths, load_prompts
+from sparse_attn.calibration.prompts import (
+    CalibrationSample,
+    ChatTemplatePrompts,
+    check_lengths,
+    check_vocabulary,
+    load_prompts,
+)
 from sparse_attn.calibration.runner import PHASES, candidate_scales, counting_mode_env, measure, served_layers
 from sparse_attn.calibration.synthetic import generate_calibration_samples
-from sparse_attn.cli import DEFAULT_OUTPUT, QWEN_DUAL_CHUNK_FILE
+from sparse_attn.calibration.outputs import DEFAULT_OUTPUT, QWEN_DUAL_CHUNK_FILE, check_destinations
+from sparse_attn.config import SparseAttentionConfigError, read_config_json
 from sparse_attn.errors import CliError
+from sparse_attn.jsonio import JsonInputError, loads, shorten
+
+__all__ = ["DEFAULT_OUTPUT", "QWEN_DUAL_CHUNK_FILE", "calibrate"]
 
 #: ``--calib_max_seqlen`` when not given; lowered to the model's limit when that is shorter.
 DEFAULT_CALIB_MAX_SEQLEN = 16384
+#: Upper bounds of the counts calibrate takes, each far above any real use and low enough
+#: that a typo (``--calib_samples 100000000000000000000``) is an error, not hours of work or
+#: an out-of-memory: synthetic samples (ModelOpt uses 24-64), candidate thresholds per phase
+#: (each one is counted in every layer at every step), tensor-parallel ranks, and lengths in
+#: tokens (2**24: beyond every model's context).
+LIMITS: Mapping[str, int] = {"--calib_samples": 4096, "--num_candidates": 256, "--tensor_parallel_size": 1024, "--pipeline_parallel_size": 1024,
+                             "--calib_max_seqlen": 1 << 24, "--calib_min_seqlen": 1 << 24, "--max_model_len": 1 << 24,
+                             "--decode_tokens": 1 << 24}
+#: ``--seed`` range: vLLM seeds numpy, which takes 0 <= seed < 2**32.
+SEED_RANGE = (0, 2 ** 32 - 1)
 #: ``--calib_min_seqlen`` when not given (the parser's default).
 DEFAULT_CALIB_MIN_SEQLEN = 1024
 #: Room kept in each length bin for the answer and the decode steps beyond ``--decode_tokens`` (task prompts).
@@ -66,61 +86,16 @@ class _Plan:
     calib_max_seqlen: int
     max_model_len: int
     engine_extra: Mapping[str, Any]
-
-
-def _real(path: Path) -> Path:
-    """``path`` with symlinks resolved (also for a file that does not exist yet)."""
-    return Path(os.path.realpath(path))
-
-
-def _is_calibration_report(path: Path) -> bool:
-    """Whether ``path`` holds a report this command wrote (safe to replace)."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    return isinstance(data, dict) and "sparse_attention_config" in data and "calibration" in data and "model_type" not in data
+    #: the model's vocabulary size from config.json (token ids must be below it); None = unknown
+    vocab_size: int | None = None
 
 
 def _check_output(args, ckpt: Path, plot_paths: list[Path]) -> Path:
+    """``--output`` (and the ``--plot`` files) decided by path alone, before anything loads
+    (``sparse_attn.calibration.outputs``)."""
     output = Path(args.output)
-    if output.is_dir():
-        raise CliError(f"--output {output} is a directory; expected a file path. Fix: pass e.g. --output {output / Path(DEFAULT_OUTPUT).name}")
-    out_dir = output.absolute().parent  # the temporary file is made here, then renamed over --output
-    if not out_dir.is_dir() or not os.access(out_dir, os.W_OK):
-        raise CliError(f"--output {args.output}: directory {out_dir} does not exist or is not writable")
-    # Files this run must never replace: the model's config (holds model_type,
-    # architectures...; --update_checkpoint_config merges into it, never replaces
-    # it) and the user's own calibration data.
-    protected = {
-        _real(ckpt / "config.json"): "the checkpoint's config.json (the model's configuration)",
-        # Refused whether or not it exists yet: creating it changes how a Qwen
-        # dual-chunk model loads (vLLM reads it when the HF config has
-        # dual_chunk_attention_config), and replacing it destroys those settings.
-        _real(ckpt / QWEN_DUAL_CHUNK_FILE): (f"the checkpoint's {QWEN_DUAL_CHUNK_FILE}, which vLLM loads for Qwen "
-                                             f"dual-chunk attention models (config.json dual_chunk_attention_config)"),
-    }
-    for source in filter(None, (args.prompts_file, args.calib_data_dir)):
-        src = Path(source)
-        file = src / SAMPLES_FILE if src.is_dir() else src
-        protected[_real(file)] = f"your calibration data ({source})"
-    written = {"--output": _real(output), **{f"--plot ({p.name})": _real(p) for p in plot_paths}}
-    for flag, target in written.items():
-        if target in protected:
-            raise CliError(
-                f"{flag} {target} is {protected[target]}; writing the calibration report there would destroy it. "
-                f"Fix: pass another path (the default is {DEFAULT_OUTPUT}); to put the section into "
-                f"the checkpoint's config.json use --update_checkpoint_config, which merges it and keeps every other key"
-            )
-    real_ckpt = _real(ckpt)
-    target = written["--output"]
-    if target.parent == real_ckpt and target.exists() and not _is_calibration_report(target):
-        raise CliError(
-            f"--output {target} already exists in the checkpoint directory and is not a calibration report; "
-            f"refusing to replace a checkpoint file. Fix: pass a new file name, e.g. --output {ckpt / Path(DEFAULT_OUTPUT).name}"
-        )
-    if len(set(written.values())) != len(written):
-        raise CliError(f"--output and --plot name the same file ({target}). Fix: give them different paths")
+    written = {"--output": output, **{f"--plot ({p.name})": p for p in plot_paths}}
+    check_destinations(ckpt, written, filter(None, (args.prompts_file, args.calib_data_dir)))
     return output
 
 
@@ -134,7 +109,7 @@ def _check_plot(args) -> tuple[Path | None, list[Path]]:
     except PlotUnavailableError as exc:
         raise CliError(f"--plot {args.plot}: {exc}") from None
     prefix = Path(args.plot)
-    directory = _real(prefix).parent
+    directory = Path(os.path.realpath(prefix)).parent
     if prefix.is_dir():
         raise CliError(f"--plot {prefix} is a directory; expected a path prefix. Fix: pass e.g. --plot {prefix / 'calibration'} "
                        f"(writes {prefix / 'calibration_prefill.png'} and {prefix / 'calibration_decode.png'})")
@@ -143,32 +118,94 @@ def _check_plot(args) -> tuple[Path | None, list[Path]]:
     return prefix, [prefix.parent / f"{prefix.name}_{phase}.png" for phase in PHASES]
 
 
+_ENGINE_KWARGS_EXAMPLE = '{"kv_cache_memory_bytes": 1073741824}'
+
+
 def _parse_engine_kwargs(raw: str) -> dict[str, Any]:
     from compat.launch import CALIBRATION_ENGINE_KWARGS
 
     try:
-        extra = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise CliError(f"--engine_kwargs is not JSON ({exc}); e.g. '{{\"kv_cache_memory_bytes\": 1073741824}}'") from None
+        extra = loads(raw, where="--engine_kwargs", fix=f"pass a JSON object, e.g. --engine_kwargs '{_ENGINE_KWARGS_EXAMPLE}'",
+                      allow_nan=False)
+    except JsonInputError as exc:
+        raise CliError(str(exc)) from None
     if not isinstance(extra, dict):
-        raise CliError(f"--engine_kwargs must be a JSON object, got {type(extra).__name__}")
+        raise CliError(f"--engine_kwargs must be a JSON object, got {type(extra).__name__}; e.g. '{_ENGINE_KWARGS_EXAMPLE}'")
     owned = [key for key in extra if key in CALIBRATION_ENGINE_KWARGS]
     if owned:
         raise CliError(
             "--engine_kwargs may not set " + ", ".join(repr(k) for k in owned) + ", which calibration sets itself. Fix: "
             + "; ".join(f"{k}: {CALIBRATION_ENGINE_KWARGS[k]}" for k in owned)
         )
+    for key in extra:  # "Model", "Max_Model_Len": a near miss of a key calibration sets
+        close = difflib.get_close_matches(key.lower(), list(CALIBRATION_ENGINE_KWARGS), n=1, cutoff=0.8) if len(key) < 64 else []
+        if close:
+            raise CliError(f"--engine_kwargs key {shorten(key, 60)!r} is not an engine argument; did you mean {close[0]!r}? "
+                           f"calibration sets that one itself. Fix: {CALIBRATION_ENGINE_KWARGS[close[0]]}")
     return extra
+
+
+def _check_engine_choices(args, extra: Mapping[str, Any]) -> None:
+    """``--dtype``, ``--attention_backend`` and the ``--engine_kwargs`` keys against what the
+    installed vLLM accepts (``compat.launch.engine_choices``, imports vLLM); skipped where
+    vLLM is not importable here (then vLLM itself refuses them when it starts)."""
+    from compat.launch import engine_choices
+
+    choices = engine_choices()
+    if choices is None:
+        return
+    release = f"vLLM {choices.vllm_version}" if choices.vllm_version else "the installed vLLM"
+    if choices.dtypes is not None and args.dtype not in choices.dtypes:
+        raise CliError(f"--dtype {shorten(args.dtype, 60)!r} is not a dtype {release} accepts; expected one of "
+                       f"{', '.join(choices.dtypes)}. Fix: pass e.g. --dtype bfloat16 (or omit it for auto)")
+    if args.attention_backend and choices.backends is not None and args.attention_backend not in choices.backends:
+        close = difflib.get_close_matches(args.attention_backend.upper(), list(choices.backends), n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise CliError(f"--attention_backend {shorten(args.attention_backend, 60)!r} is not a backend {release} knows; "
+                       f"{hint}expected one of {', '.join(choices.backends)}. Fix: pass one of them, or omit the flag "
+                       f"to let vLLM choose")
+    if choices.kwargs is not None:
+        unknown = [k for k in extra if k not in choices.kwargs]
+        if unknown:
+            key = unknown[0]
+            close = difflib.get_close_matches(key, sorted(choices.kwargs), n=1, cutoff=0.75) if len(key) < 64 else []
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise CliError(f"--engine_kwargs key {shorten(key, 60)!r} is not an argument of {release}'s LLM{hint}. "
+                           f"Fix: use the names of vllm.LLM / EngineArgs (e.g. kv_cache_memory_bytes, gpu_memory_utilization)")
 
 
 def _read_model_config(ckpt: Path) -> dict:
     try:
-        data = json.loads((ckpt / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CliError(f"{ckpt / 'config.json'} cannot be read as JSON ({exc}); pass a Hugging Face checkpoint directory") from None
-    if not isinstance(data, dict):
-        raise CliError(f"{ckpt / 'config.json'} holds a JSON {type(data).__name__}, not an object; pass a Hugging Face checkpoint directory")
-    return data
+        return read_config_json(ckpt)
+    except SparseAttentionConfigError as exc:
+        raise CliError(f"{exc}; calibrate needs a local Hugging Face checkpoint directory") from None
+
+
+def _vocab_size(model_config: Mapping[str, Any]) -> int | None:
+    """The model's vocabulary size (``vocab_size``, top level or in ``text_config``); None if absent."""
+    for holder in (model_config, model_config.get("text_config")):
+        value = holder.get("vocab_size") if isinstance(holder, Mapping) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def _check_bounds(args) -> None:
+    if not 0.0 < args.target_sparse_ratio < 1.0:
+        raise CliError(f"--target_sparse_ratio {args.target_sparse_ratio} must be in (0, 1)")
+    if (args.decode_tokens < 0 or args.calib_samples < 1 or args.tensor_parallel_size < 1 or args.pipeline_parallel_size < 1
+            or args.num_candidates < 4):
+        raise CliError("--decode_tokens must be >= 0, --calib_samples >= 1, --tensor_parallel_size >= 1, "
+                       "--pipeline_parallel_size >= 1, --num_candidates >= 4")
+    for flag, limit in LIMITS.items():
+        value = getattr(args, flag[2:])
+        if value is not None and value > limit:
+            raise CliError(f"{flag} {shorten(str(value), 40)} is more than the {limit} calibrate accepts. "
+                           f"Fix: pass {flag} {limit} or less")
+    lo, hi = SEED_RANGE
+    if not lo <= args.seed <= hi:
+        raise CliError(f"--seed {shorten(str(args.seed), 40)} is outside {lo}..{hi} (vLLM seeds numpy, which takes an "
+                       f"unsigned 32-bit seed). Fix: pass e.g. --seed 0")
 
 
 def _lengths(args, model_config: Mapping[str, Any]) -> tuple[int, int]:
@@ -201,10 +238,11 @@ def _lengths(args, model_config: Mapping[str, Any]) -> tuple[int, int]:
 
 
 def _check_args(args) -> _Plan:
-    """Every check that needs neither a tokenizer nor vLLM (runs first)."""
+    """Every check that needs neither a tokenizer nor an engine (runs first; the last one,
+    against what the installed vLLM accepts, imports vLLM)."""
     ckpt = Path(args.checkpoint)
-    if not (ckpt / "config.json").is_file():
-        raise CliError(f"{ckpt} has no config.json; pass a local Hugging Face checkpoint directory")
+    _check_bounds(args)
+    model_config = _read_model_config(ckpt)
     if args.update_checkpoint_config:
         # The same refusals update_checkpoint_config makes after the fit (a foreign
         # sparse_attention_config such as MiniMax-M3's, a malformed one, an unwritable
@@ -213,33 +251,31 @@ def _check_args(args) -> _Plan:
             check_checkpoint_update(ckpt)
         except ExportError as exc:
             raise CliError(f"--update_checkpoint_config: {exc}") from None
-    if not 0.0 < args.target_sparse_ratio < 1.0:
-        raise CliError(f"--target_sparse_ratio {args.target_sparse_ratio} must be in (0, 1)")
-    if (args.decode_tokens < 0 or args.calib_samples < 1 or args.tensor_parallel_size < 1 or args.pipeline_parallel_size < 1
-            or args.num_candidates < 4):
-        raise CliError("--decode_tokens must be >= 0, --calib_samples >= 1, --tensor_parallel_size >= 1, "
-                       "--pipeline_parallel_size >= 1, --num_candidates >= 4")
     _calib_tasks(args)
     plot_prefix, plot_paths = _check_plot(args)
     output = _check_output(args, ckpt, plot_paths)
     extra = _parse_engine_kwargs(args.engine_kwargs)
-    calib_max, max_model_len = _lengths(args, _read_model_config(ckpt))
+    calib_max, max_model_len = _lengths(args, model_config)
+    _check_engine_choices(args, extra)
     for directory in {ckpt.absolute(), output.absolute().parent}:
         for stale in remove_stale_temp_files(directory):
             print(f"calibrate: removed {stale}, left by a killed earlier run")
     return _Plan(ckpt=ckpt, output=output, plot_prefix=plot_prefix, calib_max_seqlen=calib_max,
-                 max_model_len=max_model_len, engine_extra=extra)
+                 max_model_len=max_model_len, engine_extra=extra, vocab_size=_vocab_size(model_config))
 
 
-def _load_user_samples(args) -> list[CalibrationSample] | None:
+def _load_user_samples(args, plan: _Plan) -> list[CalibrationSample] | None:
     """--calib_data_dir / --prompts_file parsed and validated without a tokenizer
-    (None for synthetic data). Runs before transformers or vLLM is imported."""
+    (None for synthetic data), token ids against the model's vocabulary. Runs before
+    transformers or vLLM is imported."""
     if not (args.calib_data_dir or args.prompts_file):
         return None
     samples: list[CalibrationSample] = []
     try:
         for source in filter(None, (args.calib_data_dir, args.prompts_file)):
             samples += load_prompts(source)
+        if plan.vocab_size is not None:
+            check_vocabulary(samples, plan.vocab_size, source=f"{plan.ckpt / 'config.json'} vocab_size")
     except CalibrationDataError as exc:
         raise CliError(str(exc)) from None
     return samples
@@ -257,7 +293,7 @@ def _calib_tasks(args) -> list[str]:
                        "--calib_data_dir / --prompts_file")
     kinds = [k.strip() for k in raw.split(",") if k.strip()]
     if not kinds or (unknown := [k for k in kinds if k not in EVAL_TASKS]):
-        raise CliError(f"--calib_tasks {raw!r}: unknown or empty; choose from {', '.join(EVAL_TASKS)}")
+        raise CliError(f"--calib_tasks {shorten(raw, 80)!r}: unknown or empty; choose from {', '.join(EVAL_TASKS)}")
     return list(dict.fromkeys(kinds))
 
 
@@ -327,7 +363,7 @@ def _environ(updates: Mapping[str, str]) -> Iterator[None]:
 def calibrate(args) -> int:
     started = time.monotonic()
     plan = _check_args(args)
-    loaded = _load_user_samples(args)
+    loaded = _load_user_samples(args, plan)
     if loaded is not None and all(s.prompt_token_ids for s in loaded):
         tokenizer = None  # token-id prompts: lengths are checked without transformers
     else:

@@ -52,6 +52,7 @@ from ..config import (
     SparseAttentionConfigError,
     is_modelopt_section,
     parse_sparse_attention_config,
+    read_config_json,
     read_section,
 )
 from .errors import CalibrationError
@@ -165,6 +166,11 @@ TEMP_TAG = "sparse-attn"
 _TEMP_NAME = re.compile(r"^\..+\." + re.escape(TEMP_TAG) + r"-(?P<pid>[0-9]+)\.[^./]+\.tmp$")
 
 
+#: Above every pid a kernel hands out (Linux caps pid_max at 2**22): a name with a larger
+#: "pid" was not made by this module, so it is left alone (and os.kill would overflow on it).
+MAX_PID = 1 << 22
+
+
 def _pid_alive(pid: int) -> bool:
     if pid == os.getpid():
         return True
@@ -193,7 +199,9 @@ def remove_stale_temp_files(directory: str | Path) -> list[Path]:
         return removed
     for entry in entries:
         match = _TEMP_NAME.match(entry.name)
-        if match is None or _pid_alive(int(match["pid"])):
+        if match is None or len(match["pid"]) > 8 or int(match["pid"]) > MAX_PID or _pid_alive(int(match["pid"])):
+            continue
+        if not entry.is_file() or entry.is_symlink():  # ours are regular files; leave anything else alone
             continue
         try:
             entry.unlink()
@@ -342,25 +350,17 @@ def _read_checkpoint_config(ckpt: Path) -> tuple[Path, dict[str, Any]]:
     cfg_path = ckpt / "config.json"
     if not ckpt.is_dir():
         raise ExportError(f"checkpoint directory {ckpt} does not exist. Fix: pass the model directory that holds config.json")
-    try:
-        text = cfg_path.read_text(encoding="utf-8")
-    except FileNotFoundError:
+    if not os.path.lexists(cfg_path):
         raise ExportError(
             f"{cfg_path} does not exist; refusing to create a config.json from scratch. "
             f"Fix: pass a Hugging Face checkpoint directory, or use --output to write the section on its own"
-        ) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ExportError(f"cannot read {cfg_path}: {exc}") from exc
+        )
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ExportError(
-            f"{cfg_path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); refusing to overwrite it. "
-            f"Fix: repair or restore config.json first"
-        ) from None
-    if not isinstance(data, dict):
-        raise ExportError(f"{cfg_path} holds a JSON {type(data).__name__}, not an object; refusing to overwrite it")
-    return cfg_path, data
+        return cfg_path, read_config_json(ckpt)  # the one reader: non-blocking, bounded, strict UTF-8 JSON
+    except SparseAttentionConfigError as exc:
+        top_level = exc.path == "config.json" and exc.expected == "a JSON object at the top level"
+        seen = f"{cfg_path} holds a JSON {exc.value}, not an object" if top_level else str(exc)
+        raise ExportError(f"{seen}; refusing to overwrite it. Fix: repair or restore config.json first") from None
 
 
 def _require_writable(ckpt: Path) -> None:

@@ -23,17 +23,24 @@ and line (or value index), what is wrong, and the fix.
 
 from __future__ import annotations
 
-import json
+import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
+from sparse_attn.jsonio import JsonInputError, loads, read_text_file, shorten
+
 from .errors import CalibrationDataError
 
-__all__ = ["SAMPLES_FILE", "CalibrationSample", "ChatTemplatePrompts", "Tokenizer", "check_lengths", "load_prompts"]
+__all__ = ["SAMPLES_FILE", "CalibrationSample", "ChatTemplatePrompts", "Tokenizer", "check_lengths", "check_vocabulary",
+           "load_prompts"]
 
 #: The file a ``--calib_data_dir`` directory must contain.
 SAMPLES_FILE = "samples.jsonl"
+#: Largest prompt file read (64 prompts of 16k tokens are ~5 MB of text).
+MAX_PROMPTS_BYTES = 1 << 30
+#: The keys a sample object may have.
+SAMPLE_KEYS = ("prompt", "prompt_token_ids", "task", "answers", "target_len")
 
 
 class Tokenizer(Protocol):
@@ -83,9 +90,20 @@ def _sample_from_value(value: Any, where: str) -> CalibrationSample:
         return CalibrationSample(prompt=value, source=where)
     if not isinstance(value, dict):
         raise _err(where, f"expected a JSON object or string, got {type(value).__name__}", _JSONL_FIX)
+    # A misspelt key ("promt_token_ids") would be ignored and the sample mean something else.
+    unknown = [key for key in value if key not in SAMPLE_KEYS]
+    hint = ""
+    if unknown:
+        key = str(unknown[0])
+        close = difflib.get_close_matches(key.lower(), SAMPLE_KEYS, n=1, cutoff=0.75) if len(key) < 64 else []
+        hint = (f"unknown key {shorten(key, 60)!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                + f"; a sample has only {', '.join(SAMPLE_KEYS)}")
     has_prompt, has_ids = "prompt" in value, "prompt_token_ids" in value
     if has_prompt == has_ids:
-        raise _err(where, 'needs exactly one of "prompt" or "prompt_token_ids"' + (" (found both)" if has_prompt else ""), _JSONL_FIX)
+        raise _err(where, 'needs exactly one of "prompt" or "prompt_token_ids"' + (" (found both)" if has_prompt else "")
+                   + (f"; {hint}" if hint else ""), _JSONL_FIX)
+    if hint:
+        raise _err(where, hint, "rename or remove the key")
     prompt = ids = None
     if has_prompt:
         prompt = value["prompt"]
@@ -124,11 +142,16 @@ def _sample_from_value(value: Any, where: str) -> CalibrationSample:
 
 def _read_text(file: Path) -> str:
     try:
-        return file.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise _err(str(file), f"not UTF-8 text ({exc.reason} at byte {exc.start})", "save the prompts as UTF-8") from None
-    except OSError as exc:
-        raise _err(str(file), f"cannot be read ({exc.strerror})", "check the path and permissions") from None
+        return read_text_file(file, what="prompt file", max_bytes=MAX_PROMPTS_BYTES, fix="check the path and permissions")
+    except JsonInputError as exc:
+        raise CalibrationDataError(f"{file}: {exc.what}. Fix: {exc.fix}") from None
+
+
+def _json(text: str, where: str, fix: str) -> Any:
+    try:
+        return loads(text, where=where, fix=fix)
+    except JsonInputError as exc:
+        raise CalibrationDataError(str(exc)) from None
 
 
 def _load_file(file: Path) -> list[CalibrationSample]:
@@ -140,16 +163,9 @@ def _load_file(file: Path) -> list[CalibrationSample]:
             if not line.strip():
                 continue
             where = f"{file}:{lineno}"
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise _err(where, f"invalid JSON ({exc.msg} at column {exc.colno})", _JSONL_FIX) from None
-            samples.append(_sample_from_value(value, where))
+            samples.append(_sample_from_value(_json(line, where, _JSONL_FIX), where))
     elif suffix == ".json":
-        try:
-            values = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise _err(f"{file}:{exc.lineno}", f"invalid JSON ({exc.msg})", "write a JSON list of prompts") from None
+        values = _json(text, str(file), "write a JSON list of prompts")
         if not isinstance(values, list):
             raise _err(str(file), f"expected a JSON list of prompts, got {type(values).__name__}", "write a JSON list, or use JSONL")
         samples = [_sample_from_value(v, f"{file}[{i}]") for i, v in enumerate(values)]
@@ -171,7 +187,7 @@ def load_prompts(path: str | Path) -> list[CalibrationSample]:
     p = Path(path)
     if p.is_dir():
         file = p / SAMPLES_FILE
-        if not file.is_file():
+        if not file.exists():  # a FIFO or device named samples.jsonl is refused by _read_text, without blocking
             found = sorted(x.name for x in p.iterdir())[:10]
             raise _err(
                 str(p),
@@ -179,14 +195,28 @@ def load_prompts(path: str | Path) -> list[CalibrationSample]:
                 f"put the prompts in {p / SAMPLES_FILE} (one JSON object per line), or pass a "
                 f".jsonl/.json/.txt file with --prompts_file",
             )
-    elif p.is_file():
-        file = p
+    elif p.exists():
+        file = p  # a FIFO or device is refused by _read_text, without blocking
     else:
         raise _err(str(p), "no such file or directory", "check the calibration data path")
     samples = _load_file(file)
     if not samples:
         raise _err(str(file), "the calibration set is empty", "add at least one prompt (more than 8 long prompts recommended)")
     return samples
+
+
+def check_vocabulary(samples: Sequence[CalibrationSample], vocab_size: int, *, source: str) -> None:
+    """Every token id below ``vocab_size`` (the model's embedding rows), else
+    :class:`CalibrationDataError` naming the sample, the id and where the size came from."""
+    for i, sample in enumerate(samples):
+        ids = sample.prompt_token_ids or ()
+        bad = next((t for t in ids if t >= vocab_size), None)
+        if bad is not None:
+            raise CalibrationDataError(
+                f"sample {i} ({sample.source or sample.task}) has token id {shorten(str(bad), 40)}, but the model's "
+                f"vocabulary has {vocab_size} tokens (ids 0..{vocab_size - 1}, {source}). Fix: tokenize the prompts with "
+                f"this model's tokenizer, or give them as text (\"prompt\")"
+            )
 
 
 def check_lengths(

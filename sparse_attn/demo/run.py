@@ -115,7 +115,9 @@ def _build(ckpt: Path, seed: int) -> Path:
     if ckpt.exists():
         shutil.rmtree(ckpt)  # a rerun must not inherit the previous calibration
     out = build_tiny_llama(ckpt, seed=seed, **DEMO_GAINS)
-    cfg = json.loads((out / "config.json").read_text())
+    from sparse_attn.config import read_config_json
+
+    cfg = read_config_json(out)  # the one reader of config.json
     _say(f"    {out}: LlamaForCausalLM, {cfg['num_hidden_layers']} layers, {cfg['num_attention_heads']} heads "
          f"({cfg['num_key_value_heads']} KV), head_dim {cfg['head_dim']}, vocab {cfg['vocab_size']}, gains {DEMO_GAINS}")
     return out

@@ -126,7 +126,7 @@ class ServeProcess:
                 raise ServerError(f"`{' '.join(self.command[2:5])} ...` exited with status {code} before it was ready "
                                   f"(log: {self.log_path}):\n{log_tail(self.log_path)}")
             try:
-                with urllib.request.urlopen(self.base_url + "/health", timeout=5) as r:
+                with urllib.request.urlopen(self.base_url + launch.SERVER_HEALTH_ROUTE, timeout=5) as r:
                     if r.status == 200:
                         return time.monotonic() - t0
             except (urllib.error.URLError, ConnectionError, socket.timeout, OSError):
@@ -245,6 +245,5 @@ class ServeProcess:
         body: dict[str, Any] = {"method": STATS_RPC}
         if reset:
             body["kwargs"] = {"reset": True}
-        out = self.request("POST", launch.SERVER_RPC_ROUTE, body, timeout=60)
-        return list((out or {}).get("results", []))
+        return launch.collective_rpc_results(self.request("POST", launch.SERVER_RPC_ROUTE, body, timeout=60))
 

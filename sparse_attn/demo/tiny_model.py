@@ -349,7 +349,9 @@ def main(argv=None) -> int:
         heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, vocab=args.vocab,
         max_position=args.max_position,
     )
-    cfg = json.loads((out / "config.json").read_text())
+    from sparse_attn.config import read_config_json
+
+    cfg = read_config_json(out)  # the one reader of config.json
     print(f"wrote {out} (vocab_size={cfg['vocab_size']}, layers={cfg['num_hidden_layers']}, "
           f"head_dim={cfg['head_dim']})")
     return 0

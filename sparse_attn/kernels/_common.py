@@ -7,54 +7,78 @@ sequence, aligned to the sequence's first query row; it is taken per query head.
 tile* is ``TILE_K`` consecutive KV positions of one sequence, aligned to KV position 0
 (independent of the cache page size).
 
-For query row ``i`` of a sequence with ``q_len`` queries and ``kv_len`` keys, the absolute
-position is ``kv_len - q_len + i``; with ``causal=True`` it sees KV positions ``<=`` that,
-otherwise all ``kv_len`` positions.  Rows past ``q_len`` in the last query tile are padding.
+Logits.  For query row ``r`` and key position ``c`` (``LayerSpec`` fields)::
 
-A (query head, query tile) *visits* KV tiles ``0 .. last`` where ``last`` is the KV tile
-holding the last position its last valid row sees; tiles entirely above the causal
-diagonal are neither visited nor counted.
+    logit[r, c] = cap * tanh(x / cap)  with  x = scale * k_scale * q_r . k_c    (soft-cap set)
+                  x                                                             (otherwise)
+
+where ``k_c`` is the cache as stored (for an fp8 cache the fp8 value; ``k_scale`` folds
+its dequantisation into the logit scale).
+
+Visibility.  Query row ``i`` of a sequence with ``q_len`` queries and ``kv_len`` keys sits
+at position ``p = kv_len - q_len + i`` and sees KV positions ``<= p`` with ``causal``
+(all ``kv_len`` positions otherwise), and with a sliding window of ``w`` tokens only
+``[p - w + 1, p]``.  Rows past ``q_len`` in the last query tile are padding.  A (query
+head, query tile) *visits* KV tiles ``first .. last``: ``last`` holds the last position
+its last valid row sees, ``first`` the first position its first row sees (0 without a
+window).  Tiles outside that range (above the causal diagonal, before the window) are
+neither visited nor counted; a row sees nothing of a visited tile when the tile lies
+wholly outside the row's own range.
+
+The *anchor* is tile ``first``: it is never skippable and its maxima seed every later
+split (without a window it is tile 0, which holds position 0 and the sequence's first
+tokens, StreamingLLM's "sink tokens").  For windowed rows tile 0 leaves the window on
+long sequences, so the anchor is the first tile the query tile visits, as in
+TensorRT-LLM's skip-softmax kernels ("the first tile a program visits is never
+skipped"): the rule then keeps its form, a windowed layer's counts mean what TensorRT-LLM
+counts, and a split program needs its own tiles plus one more.
 
 KV *splits*: the KV axis is also cut into splits of ``split_k`` consecutive positions
 (default :data:`SPLIT_K`, a multiple of ``TILE_K``), aligned to KV position 0, so split
 ``j`` holds KV tiles ``t0(j) = j * split_k / TILE_K ..`` up to the next split.  ``split_k``
 is a constant of the rule, independent of batch size, phase and GPU: split-KV decode
-(flash-decoding) processes each split in its own program and merges the partial
-softmaxes by log-sum-exp, and every other path (prefill, the torch implementation,
-counting mode) applies the same split boundaries to the skip test even when it does not
-launch splits.  For visited KV tile ``t`` of split ``j`` and valid row ``r``:
+(flash-decoding) processes splits in separate programs and merges the partial softmaxes
+by log-sum-exp, and every other path (prefill, the torch implementation, counting mode)
+applies the same split boundaries to the skip test even when it does not launch splits.
+For visited KV tile ``t`` and valid row ``r``, with ``j(t)`` the split holding ``t``:
 
-    tile_max[r, t] = max over visible columns c of tile t of  scale * q_r . k_c    (-inf if none)
-    m_before[r, t] = max(tile_max[r, 0], ..., tile_max[r, t-1])                     if j = 0
-                     max(tile_max[r, 0], tile_max[r, t0(j)], ..., tile_max[r, t-1])  if j > 0
-                     (dense running max; at every split boundary after the first it
-                     RESTARTS from KV tile 0's maxima, the SEED, instead of carrying the
-                     tiles of earlier splits)
-    ratio[t]       = max over valid rows r of exp(tile_max[r, t] - m_before[r, t])
+    tile_max[r, t] = max over the columns c of tile t row r sees of logit[r, c]    (-inf if none)
+    m_before[r, t] = max(tile_max[r, first .. t-1])                                  if j(t) = j(first)
+                     max(tile_max[r, first], tile_max[r, t0(j(t)) .. t-1])            otherwise
+                     (dense running max; at every split boundary after the anchor's split
+                     it RESTARTS from the anchor's maxima, the SEED, instead of carrying
+                     the tiles of earlier splits; -inf over an empty range)
+    e[r, t]        = 0                                  if tile_max[r, t] = -inf (row r does not vote)
+                     exp(tile_max[r, t] - m_before[r, t])  otherwise (+inf if m_before = -inf)
+    ratio[t]       = max over valid rows r of e[r, t]
 
-and the tile is *skippable under lambda* iff ``t != 0`` (KV tile 0, which holds the
-first tokens of the sequence, is never skippable; the first tile of a later split is
-tested against the seed like any other) and ``ratio[t] < lambda``.  Tile 0 holds position 0, which every row
-sees, so ``tile_max[r, 0]`` is finite and every ``m_before`` of a tile ``t > 0`` is.
-Seeding keeps each split independent of the other splits (a split program needs only
-its own tiles plus tile 0) while every tile is still compared with the first tokens of
-the sequence (StreamingLLM's "sink tokens", which often hold a query's largest scores;
-not to be confused with learned per-head sink logits); a full
-restart at -inf compared a later split's tiles with a local maximum only and, measured,
-needed 3-400x larger lambdas for the same sparsity with 2-5x the mean error, where the
-seed matches the no-split rule on decodes (benchmarks/RESULTS-kernels.md).  Cost: a
-split-KV decode program of a split ``j > 0`` reads K tile 0 and computes its Q.K^T once
-more (one extra K tile per split program, ``TILE_K / split_k`` of the K reads).
+and the tile is *skippable under lambda* iff ``t != first`` (the anchor; the first tile of
+a later split is tested against the seed like any other) and ``ratio[t] < lambda``.
+Without a window every row sees position 0, so the seed is finite and every ``e`` of a
+tile ``t > 0`` is a plain ratio; with one, a row whose own window starts after the anchor
+keeps its first visible tile (``e = inf``).  Seeding keeps each split independent of the
+other splits (a split program needs only its own tiles plus the anchor) while every tile
+is still compared with the sequence's first tokens, which often hold a query's largest
+scores; a full restart at -inf compared a later split's tiles with a local maximum only
+and, measured, needed 3-400x larger lambdas for the same sparsity with 2-5x the mean
+error, where the seed matches the no-split rule on decodes (benchmarks/RESULTS-kernels.md).
+Cost: a split-KV decode program that starts after the anchor reads the anchor's K tile
+and computes its Q.K^T once more (one extra K tile per such program).
 
 Serving mode with threshold ``lambda`` leaves skippable tiles out of the softmax (no
-exp, no V read, no P.V), so the output is the softmax over all visited positions
-restricted to the non-skipped tiles (splits are an evaluation order only: the
-log-sum-exp merge makes the result the same single softmax).  The running max is the
-dense one in both modes: a skipped tile's scores are still known (its Q.K^T is needed
-for the test), so ``m_before`` never depends on earlier decisions, and calibration
-counts taken in counting mode are exactly the serving-mode skip counts, for any
-``split_k`` as long as both modes use the same one.  ``lambda = 0`` never skips
-(``exp(.) >= 0``).
+exp, no V read, no P.V), so the output is the softmax over all visible positions of the
+non-skipped tiles (splits are an evaluation order only: the log-sum-exp merge makes the
+result the same single softmax)::
+
+    out[r] = v_scale * sum_c exp(logit[r, c]) v_c / (sum_c exp(logit[r, c]) + exp(sink_h))
+
+with ``exp(sink_h)`` present only for a layer with learned sinks (one logit per query
+head, in the denominator only, added exactly once however many splits there are; the
+sink never enters the skip test).  The running max is the dense one in both modes: a
+skipped tile's logits are still known (its Q.K^T is needed for the test), so
+``m_before`` never depends on earlier decisions, and calibration counts taken in counting
+mode are exactly the serving-mode skip counts, for any ``split_k`` as long as both modes
+use the same one.  ``lambda = 0`` never skips (``e >= 0``).
 
 The skip decision is per query head: a kernel that packs the query heads of a KV group
 into one program (reading each K/V tile once) still tests each head's rows on their own,
@@ -67,8 +91,8 @@ from __future__ import annotations
 TILE_Q = 64
 #: KV positions per KV tile.
 TILE_K = 64
-#: KV positions per split of the skip rule (each split's dense running max restarts from
-#: KV tile 0's maxima; split-KV decode launches one program per split).  Why 1024 (16
+#: KV positions per split of the skip rule (each later split's dense running max restarts
+#: from the anchor's maxima; split-KV decode launches programs over whole splits).  Why 1024 (16
 #: tiles), with the seeded rule: a batch-1 32k-token decode with 8 KV heads is
 #: 8 * 32768 / 1024 = 256 programs on a 132-SM GPU (H100/H200), ~2 per SM, so every SM
 #: has work and a second program to hide memory latency; 2048 would be 128 programs and

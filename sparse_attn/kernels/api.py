@@ -92,7 +92,9 @@ def paged_attention(
 
     Args:
         batch: the queries and the paged KV cache (:class:`PagedBatch`: shapes there).
-        spec: the layer (:class:`LayerSpec`: softmax scale, causal mask).
+        spec: the layer (:class:`LayerSpec`: softmax scale, causal mask, sliding window,
+            logit soft-cap, learned sinks, fp8 cache scales); build it once per layer
+            (:func:`spec_for` maps a serving engine's layer features to it).
         threshold: lambda, a runtime value: ``None`` or a float (the same lambda for every
             sequence) or ``S`` floats (a list or a 1-D tensor: one lambda per sequence,
             e.g. :func:`effective_lambda`).  Each lambda must be finite and >= 0; ``None``

@@ -33,23 +33,28 @@ class BatchMeta:
     ``seq_lens[s]`` is sequence ``s``'s KV length (this step's tokens included),
     ``q_starts[s]`` its first query row, ``q_lens[s]`` its number of query rows.
     Build it with :meth:`from_host` from the host copies a serving engine already keeps
-    (vLLM: ``seq_lens_cpu`` / ``query_start_loc_cpu``); it must describe the same batch as
-    the device tensors of the :class:`PagedBatch` it travels in.
+    (vLLM: ``query_start_loc_cpu``, ``seq_lens_cpu``); it must describe the same batch as
+    the device tensors of the :class:`PagedBatch` it travels in.  ``q_starts`` / ``q_lens``
+    are exact; ``seq_lens_exact=False`` says ``seq_lens`` are upper bounds (vLLM 0.32's
+    ``seq_lens_cpu_upper_bound`` under asynchronous speculative decoding): kernels then
+    size their grids from them but take every length that decides a mask, a tile or a
+    count from the device ``seq_lens``.
     """
 
     seq_lens: tuple[int, ...]
     q_starts: tuple[int, ...]
     q_lens: tuple[int, ...]
+    seq_lens_exact: bool = True
 
     @classmethod
-    def from_host(cls, seq_lens: Sequence[int] | torch.Tensor,
-                  query_start_loc: Sequence[int] | torch.Tensor) -> "BatchMeta":
+    def from_host(cls, seq_lens: Sequence[int] | torch.Tensor, query_start_loc: Sequence[int] | torch.Tensor,
+                  *, seq_lens_exact: bool = True) -> "BatchMeta":
         """From ``seq_lens`` ``[S]`` and ``query_start_loc`` ``[S + 1]`` (lists or CPU tensors)."""
         lens, qsl = _ints(seq_lens, "seq_lens"), _ints(query_start_loc, "query_start_loc")
         if len(qsl) != len(lens) + 1:
             raise ValueError(f"BatchMeta.from_host: query_start_loc has {len(qsl)} entries, expected "
                              f"len(seq_lens) + 1 = {len(lens) + 1}")
-        return cls(lens, qsl[:-1], tuple(b - a for a, b in zip(qsl[:-1], qsl[1:])))
+        return cls(lens, qsl[:-1], tuple(b - a for a, b in zip(qsl[:-1], qsl[1:])), bool(seq_lens_exact))
 
     @property
     def num_tokens(self) -> int:
@@ -115,12 +120,29 @@ class PagedBatch:
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """What one attention layer computes, independent of the batch.
+    """What one attention layer computes, independent of the batch (build it once per layer).
 
-    ``scale``: softmax scale applied to ``q . k`` (logit units per dot-product unit).
+    ``scale``: softmax scale applied to ``q . k`` (logits per dot-product unit).
     ``causal``: a query row at position ``p`` sees KV positions ``<= p``; ``False``: all
     ``kv_len`` positions.
+    ``window``: ``w`` tokens or ``None``: a row at position ``p`` sees only
+    ``[p - w + 1, p]`` (needs ``causal``; vLLM's ``(w - 1, 0)`` window is ``w``).
+    ``soft_cap``: ``cap`` or ``None``: logits become ``cap * tanh(logit / cap)``
+    (Gemma 2's 50.0) before the skip test and the softmax.
+    ``sink_logits``: ``[Hq]`` float tensor on the query's device, or ``None``: one learned logit
+    per query head added to the softmax denominator only (gpt-oss: ``p_j = exp(s_j) /
+    (sum_k exp(s_k) + exp(sink_h))``); it has no value and never enters the skip test.
+    ``k_scale`` / ``v_scale``: per-tensor dequantisation scales of an fp8 cache (a float,
+    or a 1-element float tensor on the query's device, read only inside the kernels, so a
+    captured graph sees in-place updates): logits use ``scale * k_scale * q . k_fp8``,
+    outputs are multiplied by ``v_scale``.  Applied for any cache dtype; unquantised
+    caches use the default 1.0.
     """
 
     scale: float
     causal: bool = True
+    window: int | None = None
+    soft_cap: float | None = None
+    sink_logits: torch.Tensor | None = None
+    k_scale: float | torch.Tensor = 1.0
+    v_scale: float | torch.Tensor = 1.0

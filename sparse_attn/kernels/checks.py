@@ -168,9 +168,11 @@ def _check_tensors(batch: PagedBatch) -> None:
         fail("num_q_heads is not a multiple of num_kv_heads", f"Hq={hq}, Hkv={hkv}", "Hq % Hkv == 0")
     if query.dtype not in _FLOAT_DTYPES:
         fail("query dtype", query.dtype, "float32, bfloat16 or float16")
-    for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if c.dtype != query.dtype:
-            fail(f"{name} dtype differs from query dtype", c.dtype, query.dtype)
+    if key_cache.dtype != value_cache.dtype:
+        fail("key_cache/value_cache dtypes differ", (key_cache.dtype, value_cache.dtype), "one cache dtype")
+    if key_cache.dtype != query.dtype and key_cache.dtype not in FP8_DTYPES:
+        fail("KV cache dtype", key_cache.dtype, f"the query's dtype ({query.dtype}) or an fp8 view "
+             "(torch.float8_e4m3fn / torch.float8_e5m2)")
     for name in ("block_table", "seq_lens", "query_start_loc"):
         if getattr(batch, name).dtype not in _INDEX_DTYPES:
             fail(f"{name} dtype", getattr(batch, name).dtype, "torch.int32 or torch.int64")
@@ -186,7 +188,18 @@ def _check_tensors(batch: PagedBatch) -> None:
         fail("block_table shape", tuple(batch.block_table.shape), f"[num_seqs={num_seqs}, max_blocks]")
 
 
-def check_spec(spec: LayerSpec) -> None:
+def _check_scale_value(value, name: str, device) -> None:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or not value.is_floating_point() or value.device != device:
+            fail(name, (tuple(value.shape), value.dtype, value.device),
+                 f"a float or a 1-element float tensor on {device}")
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        fail(name, repr(value), "a finite float > 0 or a 1-element float tensor")
+
+
+def check_spec(spec: LayerSpec, batch: PagedBatch) -> None:
+    """The layer's fields against each other and the batch (no data read)."""
     if not isinstance(spec, LayerSpec):
         fail("spec", type(spec).__name__, "a sparse_attn.kernels.LayerSpec")
     try:
@@ -195,6 +208,25 @@ def check_spec(spec: LayerSpec) -> None:
         fail("scale is not a number", repr(spec.scale), "a finite float")
     if not math.isfinite(scale):
         fail("scale", scale, "a finite float")
+    w = spec.window
+    if w is not None:
+        if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+            fail("window (tokens a query sees, itself included)", repr(w), "an int >= 1 or None")
+        if not spec.causal:
+            fail("window without causal", "causal=False", "causal=True (a window [p - w + 1, p])")
+    cap = spec.soft_cap
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap)
+                            or cap <= 0):
+        fail("soft_cap", repr(cap), "a finite float > 0 or None")
+    if spec.sink_logits is not None:
+        sinks = spec.sink_logits
+        if not isinstance(sinks, torch.Tensor) or sinks.shape != (batch.num_q_heads,) \
+                or not sinks.is_floating_point() or sinks.device != batch.query.device:
+            seen = (tuple(sinks.shape), sinks.dtype, sinks.device) if isinstance(sinks, torch.Tensor) \
+                else type(sinks).__name__
+            fail("sink_logits (one per query head)", seen, f"a float tensor [{batch.num_q_heads}] on {batch.query.device}")
+    _check_scale_value(spec.k_scale, "k_scale", batch.query.device)
+    _check_scale_value(spec.v_scale, "v_scale", batch.query.device)
 
 
 def _check_host(batch: PagedBatch, meta: BatchMeta) -> None:
@@ -214,25 +246,26 @@ def _check_host(batch: PagedBatch, meta: BatchMeta) -> None:
              list(meta.q_starts) + [meta.num_tokens], "non-decreasing offsets")
     if meta.num_tokens != num_tokens:
         fail("query_start_loc[-1] differs from the number of query tokens", meta.num_tokens, num_tokens)
-    bad = [s for s in range(num_seqs) if q_lens[s] > lens[s]]
+    bad = [s for s in range(num_seqs) if q_lens[s] > lens[s]]     # an upper bound on lens keeps this sound
     if bad:
         s = bad[0]
         fail(f"query length exceeds KV length for sequence {s}", f"q_len={q_lens[s]}, kv_len={lens[s]}",
              "q_len <= kv_len (queries are the last q_len KV positions)")
     page = batch.page_size
     need = [(n + page - 1) // page for n in lens]
-    if num_seqs and max(need) > batch.block_table.shape[1]:
+    if num_seqs and meta.seq_lens_exact and max(need) > batch.block_table.shape[1]:
         s = max(range(num_seqs), key=lambda i: need[i])
         fail(f"block_table too narrow for sequence {s}", f"{batch.block_table.shape[1]} columns",
              f">= {need[s]} blocks for kv_len={lens[s]} at page_size={page}")
 
 
-def _check_block_ids(batch: PagedBatch, meta: BatchMeta) -> None:
-    """Every block id a sequence uses is in range: a device reduction and one host read."""
+def _check_block_ids(batch: PagedBatch) -> None:
+    """Every block id a sequence uses (by the device ``seq_lens``) is in range: a device
+    reduction and one host read."""
     bt, page = batch.block_table, batch.page_size
     if not batch.num_seqs:
         return
-    need = torch.tensor([(n + page - 1) // page for n in meta.seq_lens], device=bt.device)
+    need = (batch.seq_lens.long() + page - 1) // page
     used = torch.arange(bt.shape[1], device=bt.device)[None, :] < need[:, None]
     out_of_range = used & ((bt < 0) | (bt >= batch.key_cache.shape[0]))
     if bool(out_of_range.any()):
@@ -252,7 +285,7 @@ def validate(batch: PagedBatch, spec: LayerSpec, out: torch.Tensor | None, check
     if not isinstance(batch, PagedBatch):
         fail("batch", type(batch).__name__, "a sparse_attn.kernels.PagedBatch")
     _check_tensors(batch)
-    check_spec(spec)
+    check_spec(spec, batch)
     query = batch.query
     if out is not None:
         if not isinstance(out, torch.Tensor) or out.shape != query.shape or out.dtype != query.dtype \
@@ -264,5 +297,5 @@ def validate(batch: PagedBatch, spec: LayerSpec, out: torch.Tensor | None, check
         meta = BatchMeta.from_host(batch.seq_lens.cpu(), batch.query_start_loc.cpu())
     _check_host(batch, meta)
     if batch.host is None or check == "full":
-        _check_block_ids(batch, meta)
+        _check_block_ids(batch)
     return meta

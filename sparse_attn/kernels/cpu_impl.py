@@ -172,19 +172,14 @@ def forward(
     count_thresholds: torch.Tensor | None,
     out: torch.Tensor,
     split_k: int = SPLIT_K,
-    sliding_window: int | None = None,
-    logits_soft_cap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The backend contract of :mod:`sparse_attn.kernels.api`: fill ``out`` [T, Hq, D] and
     return ``(out, skipped int64 [n, Hq] | None, visited int64 [Hq] | None)`` for
     ``threshold`` (float32 ``[S]``, 0 = dense) and ``count_thresholds`` (float32 ``[n, S]``
-    or None).  The layer features of ``_common``'s rule come as keywords until the
-    ``LayerSpec`` carries them: ``sliding_window`` (tokens, causal only), ``logits_soft_cap``,
-    ``sinks`` (``[Hq]`` logits, denominator only), fp8 caches (``float8_e4m3fn`` /
-    ``float8_e5m2``) with ``k_scale`` / ``v_scale``.
+    or None).  The layer features come from ``spec`` (:class:`LayerSpec`): ``window``
+    (tokens, causal only), ``soft_cap``, ``sink_logits`` (``[Hq]`` logits, denominator only),
+    ``k_scale`` / ``v_scale`` (floats or 1-element CPU tensors; fp8 caches ``float8_e4m3fn`` /
+    ``float8_e5m2`` hold values / scale).
 
     Needs :func:`status` ``().available`` and :func:`supports`; threads: ``torch.get_num_threads()``.
     """
@@ -202,18 +197,21 @@ def forward(
     skipped = torch.zeros(n_counts, hq, dtype=torch.int64)
     visited = torch.zeros(hq, dtype=torch.int64)
     bt = block_table if block_table.dtype in (torch.int32, torch.int64) else block_table.long()
+    sinks = spec.sink_logits
     sinks_f32 = None if sinks is None else sinks.detach().to("cpu", torch.float32).contiguous()
+    # CPU tensors only reach this backend, so reading a tensor scale is no device sync.
+    k_scale, v_scale = float(spec.k_scale), float(spec.v_scale)
     c = _Call()
     c.abi = cpu_build.ABI_VERSION
     c.dtype = _DTYPES[query.dtype]
     c.kv_dtype = _KV_DTYPES[key_cache.dtype]
     c.num_seqs, c.num_q_heads, c.num_kv_heads = num_seqs, hq, batch.num_kv_heads
     c.head_dim, c.page_size = batch.head_dim, batch.page_size
-    c.causal, c.window = int(spec.causal), int(sliding_window or 0)
+    c.causal, c.window = int(spec.causal), int(spec.window or 0)
     c.split_tiles, c.num_threads = split_k // TILE_K, torch.get_num_threads()
     c.num_counts, c.bt_is64 = n_counts, int(bt.dtype == torch.int64)
     c.sl_is64, c.qsl_is64 = int(seq_lens.dtype == torch.int64), int(qsl.dtype == torch.int64)
-    c.scale, c.soft_cap, c.v_scale = float(spec.scale) * float(k_scale), float(logits_soft_cap or 0.0), float(v_scale)
+    c.scale, c.soft_cap, c.v_scale = float(spec.scale) * k_scale, float(spec.soft_cap or 0.0), v_scale
     c.q = query.data_ptr()
     c.q_st, c.q_sh, c.q_sd = query.stride()
     c.out = out.data_ptr()

@@ -1,30 +1,18 @@
 """Triton implementation of skip-softmax paged attention (GPU; CPU under TRITON_INTERPRET=1).
 
-Programs and phases
--------------------
-One program per (query tile, KV head, head chunk, KV split).  A program holds ``HPP``
-query heads of one KV group (all of them in decode; in prefill as many as the tile table
-allows, see :data:`TILE_CONFIGS`) as one packed block of ``HPP * BLOCK_M`` rows, so each K
-and V tile it needs is read once for all of them.  The skip decision stays per query head
-(the rule of :mod:`sparse_attn.kernels._common`): each head's rows are tested on their own,
-and a V tile is read when any head of the program keeps it (heads that skip it get
-``P = 0`` and no rescale).
+The kernels are in :mod:`.triton_kernels`; this module decides their launch.
 
-- *decode* (every query length <= 1): split-KV (flash-decoding).  Each sequence's KV is
-  cut into the rule's splits of ``split_k`` positions; one program per split writes an
-  unnormalised partial (accumulator, exp reference, row sum) and a second kernel merges
-  the splits by log-sum-exp.  The dense running max of a split after the first starts
-  from KV tile 0's maxima, exactly as the rule says, so that program reads K tile 0 and
-  computes its Q.K^T once before its own tiles (one extra K tile per split program);
-  counts are unchanged by the split launch.
-- *prefill* (anything else): no split launch; the program walks all its KV tiles, keeps
-  tile 0's maxima, and resets the dense running max to them at every later split
-  boundary.
-
-Two running maxima per row: the dense one (updated on every visited tile, reset to tile
-0's maxima at split boundaries, drives the skip test) and the exp reference (updated on
-computed tiles only).  Lambdas are read from per-sequence fp32 arrays (``lam[seq]`` for
-serving, ``THRESH[seq, :]`` for counting), so changing them never recompiles.
+- *decode* (every query length <= 1): split-KV (flash-decoding).  Each sequence's walked
+  tiles are cut into the rule's splits of ``split_k`` positions, and ``P`` programs per
+  (sequence, KV head chunk) each walk a contiguous run of whole splits and write an
+  unnormalised partial that a second kernel merges by log-sum-exp (the sink logit enters
+  there, once).  ``P`` (:func:`kv_programs`) is bounded by a constant and shrinks as the
+  batch grows, so the grid and the fp32 partials ``[S, P, Hq, D]`` never grow with the
+  block table's width (``max_model_len``): a program loops over as many splits as its
+  sequence has, restarting the dense running max from the anchor's maxima at each.  A
+  program that starts after the anchor reads the anchor's K tile once more for that seed.
+  With ``P == 1`` there are no partials and no merge.  Counts do not depend on ``P``.
+- *prefill* (anything else): one program per query tile walks all of its tiles.
 
 Capture safety
 --------------
@@ -34,8 +22,8 @@ maps query tiles to sequences on the device (``searchsorted`` over per-sequence 
 counts; surplus programs see an out-of-range sequence and do nothing) and allocates the
 partial/count buffers.  :func:`launch` only calls the kernels.  With ``meta=None`` nothing
 in :func:`prepare` or :func:`finish` reads device data on the host, so the whole call can
-be captured in a CUDA graph; ``tests/sparse_attn/test_kernels_capture.py`` runs
-:func:`prepare` under ``FakeTensorMode`` to prove it.
+be captured in a CUDA graph; ``tests/sparse_attn/test_kernels_capture.py`` runs it on
+meta tensors to prove it.
 """
 
 from __future__ import annotations
@@ -44,12 +32,10 @@ import os
 from dataclasses import dataclass, field
 
 import torch
-import triton
-import triton.language as tl
 
 from ._common import SPLIT_K, TILE_K, TILE_Q, next_pow2
 from .batch import BatchMeta, LayerSpec, PagedBatch
-
+from .triton_kernels import merge_splits_kernel, paged_attn_kernel
 
 @dataclass(frozen=True)
 class TileConfig:
@@ -102,180 +88,26 @@ def tile_config(head_dim: int, dtype: torch.dtype, phase: str) -> TileConfig:
     return TILE_CONFIGS[key]
 
 
-@triton.jit
-def _paged_attn_kernel(
-    Q, K, V, O, BT, SEQ_LENS, QSL, TILE_SEQ, TILE_ROW0,
-    lam, THRESH, SKIP_CNT, VIS_CNT, O_PART, M_PART, L_PART,
-    scale, num_thresh, page_size, tiles_per_split, num_seqs, num_q_heads,
-    stride_qt, stride_qh, stride_qd,
-    stride_kb, stride_kp, stride_kh, stride_kd,
-    stride_vb, stride_vp, stride_vh, stride_vd,
-    stride_ot, stride_oh, stride_od,
-    stride_bts, stride_btb,
-    GROUP: tl.constexpr, HPP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
-    CAUSAL: tl.constexpr, COUNT: tl.constexpr, SPLIT: tl.constexpr, FP32_DOT: tl.constexpr,
-):
-    N_HCHUNKS: tl.constexpr = (GROUP + HPP - 1) // HPP
-    R: tl.constexpr = HPP * BLOCK_M
-    pid = tl.program_id(0)
-    kv_head = tl.program_id(1) // N_HCHUNKS
-    h_lo = (tl.program_id(1) % N_HCHUNKS) * HPP           # first head-in-group of this program
-    sp = tl.program_id(2)
-    n_splits = tl.num_programs(2)
 
-    seq_raw = tl.load(TILE_SEQ + pid)
-    live = seq_raw < num_seqs                              # surplus programs (upper-bound grid) do nothing
-    seq = tl.minimum(seq_raw, num_seqs - 1).to(tl.int64)
-    row0 = tl.load(TILE_ROW0 + pid)
-    q_start = tl.load(QSL + seq)
-    q_len = tl.where(live, tl.load(QSL + seq + 1) - q_start, 0)
-    kv_len = tl.load(SEQ_LENS + seq)
-
-    # Packed rows i = (head-in-program hin, query row r).
-    offs_i = tl.arange(0, R)
-    hin = offs_i // BLOCK_M
-    rows = row0 + offs_i % BLOCK_M
-    hh = tl.arange(0, HPP)
-    hh_ok = h_lo + hh < GROUP
-    head_ok = h_lo + hin < GROUP
-    heads = kv_head * GROUP + h_lo + hin
-    row_ok = (rows < q_len) & head_ok
-    last_row = tl.minimum(row0 + BLOCK_M, q_len) - 1
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    # Padding rows take the last valid row's limit: finite scores, never stored.
-    if CAUSAL:
-        limit = kv_len - q_len + tl.minimum(rows, last_row)
-        n_tiles = (kv_len - q_len + last_row) // BLOCK_N + 1
-    else:
-        limit = tl.zeros([R], dtype=tl.int32) + kv_len - 1
-        n_tiles = tl.cdiv(kv_len, BLOCK_N)
-    n_tiles = tl.where(row0 < q_len, n_tiles, 0)
-    if SPLIT:
-        t_lo = sp * tiles_per_split
-        t_hi = tl.minimum(t_lo + tiles_per_split, n_tiles)
-    else:
-        t_lo = 0
-        t_hi = n_tiles
-
-    q_ptrs = Q + (q_start + rows)[:, None].to(tl.int64) * stride_qt + heads[:, None] * stride_qh \
-        + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    # same_head[h, i]: packed row i belongs to head-in-program h (per-head reductions).
-    same_head = hin[None, :] == hh[:, None]
-
-    m_dense = tl.full([R], float("-inf"), tl.float32)
-    m_ref = tl.full([R], float("-inf"), tl.float32)
-    l_sum = tl.zeros([R], tl.float32)
-    acc = tl.zeros([R, BLOCK_D], tl.float32)
-    offs_t = tl.arange(0, BLOCK_T)
-    lam_s = tl.load(lam + seq)
-    if COUNT:
-        thresh = tl.load(THRESH + seq * BLOCK_T + offs_t, mask=offs_t < num_thresh, other=-1.0)
-    skip_cnt = tl.zeros([HPP, BLOCK_T], tl.int32)
-
-    # Tile 0's maxima seed the dense running max of every later split (the rule).  A split
-    # program of split > 0 computes them first: one extra K tile read and Q.K^T.
-    m_seed = tl.full([R], float("-inf"), tl.float32)
-    if t_lo > 0:
-        if t_lo < t_hi:
-            cols0 = tl.arange(0, BLOCK_N)
-            col0_ok = cols0 < kv_len
-            blk0 = tl.load(BT + seq * stride_bts + (cols0 // page_size) * stride_btb, mask=col0_ok,
-                           other=0).to(tl.int64)
-            k0 = tl.load(K + (blk0 * stride_kb + (cols0 % page_size) * stride_kp)[None, :] + kv_head * stride_kh
-                         + offs_d[:, None] * stride_kd, mask=col0_ok[None, :] & d_ok[:, None], other=0.0)
-            if FP32_DOT:
-                s0 = tl.dot(q.to(tl.float32), k0.to(tl.float32), input_precision="ieee") * scale
-            else:
-                s0 = tl.dot(q, k0) * scale
-            s0 = tl.where(col0_ok[None, :] & (cols0[None, :] <= limit[:, None]), s0, float("-inf"))
-            m_seed = tl.max(s0, 1)
-
-    for t in range(t_lo, t_hi):
-        cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < kv_len
-        blk = tl.load(BT + seq * stride_bts + (cols // page_size) * stride_btb, mask=col_ok, other=0).to(tl.int64)
-        tok = blk * stride_kb + (cols % page_size) * stride_kp
-        k = tl.load(K + tok[None, :] + kv_head * stride_kh + offs_d[:, None] * stride_kd,
-                    mask=col_ok[None, :] & d_ok[:, None], other=0.0)
-        if FP32_DOT:
-            s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, k) * scale
-        visible = col_ok[None, :] & (cols[None, :] <= limit[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        tile_max = tl.max(s, 1)
-        m_seed = tl.where(t == 0, tile_max, m_seed)
-        # The rule's dense running max restarts from tile 0's maxima at every later split
-        # boundary; only tile 0 is never skippable (+inf also hides its -inf - -inf NaN).
-        m_dense = tl.where((t % tiles_per_split) == 0, m_seed, m_dense)
-        ratio = tl.where(row_ok, tl.exp(tile_max - m_dense), 0.0)
-        ratio_h = tl.max(tl.where(same_head, ratio[None, :], 0.0), 1)             # [HPP]
-        ratio_h = tl.where(t == 0, float("inf"), ratio_h)
-        m_dense = tl.maximum(m_dense, tile_max)
-        if COUNT:
-            skip_cnt += ((ratio_h[:, None] < thresh[None, :]) & hh_ok[:, None]).to(tl.int32)
-        keep_h = (ratio_h >= lam_s) & hh_ok
-        if tl.max(keep_h.to(tl.int32), 0) > 0:
-            keep = tl.max(tl.where(same_head & keep_h[:, None], 1, 0), 0) > 0          # [R]
-            m_new = tl.where(keep, tl.maximum(m_ref, tile_max), m_ref)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_ref - m_safe)
-            p = tl.where(keep[:, None], tl.exp(s - m_safe[:, None]), 0.0)
-            l_sum = l_sum * alpha + tl.sum(p, 1)
-            vtok = blk * stride_vb + (cols % page_size) * stride_vp
-            v = tl.load(V + vtok[:, None] + kv_head * stride_vh + offs_d[None, :] * stride_vd,
-                        mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-            if FP32_DOT:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_ref = m_new
-
-    if SPLIT:
-        # Decode: one valid row per head (r = 0); partials are [slot, split, Hq, D].
-        part = (pid * n_splits + sp) * num_q_heads + heads
-        tl.store(O_PART + part[:, None].to(tl.int64) * BLOCK_D + offs_d[None, :], acc,
-                 mask=row_ok[:, None] & (rows == 0)[:, None])
-        tl.store(M_PART + part, m_ref, mask=row_ok & (rows == 0))
-        tl.store(L_PART + part, l_sum, mask=row_ok & (rows == 0))
-    else:
-        o = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
-        o_ptrs = O + (q_start + rows)[:, None].to(tl.int64) * stride_ot + heads[:, None] * stride_oh \
-            + offs_d[None, :] * stride_od
-        tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    if COUNT:
-        cnt_heads = ((pid * n_splits + sp) * num_q_heads + kv_head * GROUP + h_lo + hh).to(tl.int64)
-        tl.store(SKIP_CNT + cnt_heads[:, None] * BLOCK_T + offs_t[None, :], skip_cnt, mask=hh_ok[:, None])
-        tl.store(VIS_CNT + cnt_heads, tl.zeros([HPP], tl.int32) + tl.maximum(t_hi - t_lo, 0), mask=hh_ok)
+#: Split-KV decode: at most this many programs per (sequence, KV head chunk), and about
+#: this many programs in the whole grid (fewer per sequence as the batch grows).  On a
+#: 132-SM H100/H200, 1024 programs are ~8 per SM: every SM busy with programs to overlap
+#: memory latency; a batch-1 32k decode with 8 KV heads still gets 32 programs per
+#: sequence (one per split, as before the bound), 128k gets 64 (two splits each), and a
+#: batch of 128+ sequences one (no partials, no merge).  Not tuned on a GPU yet.
+MAX_KV_PROGRAMS = 64
+TARGET_PROGRAMS = 1024
 
 
-@triton.jit
-def _merge_splits_kernel(
-    O_PART, M_PART, L_PART, O, QSL, num_splits, num_q_heads,
-    stride_ot, stride_oh, stride_od,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-):
-    """Log-sum-exp merge of one (sequence, query head)'s split partials into ``O``."""
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    q_start = tl.load(QSL + seq)
-    q_len = tl.load(QSL + seq + 1) - q_start
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_ok = offs_s < tl.where(q_len > 0, num_splits, 0)   # (vector & scalar masks trip the interpreter)
-    part = (seq * num_splits + offs_s) * num_q_heads + head
-    m = tl.load(M_PART + part, mask=s_ok, other=float("-inf"))
-    l_part = tl.load(L_PART + part, mask=s_ok, other=0.0)
-    m_all = tl.max(m, 0)
-    w = tl.exp(m - tl.where(m_all == float("-inf"), 0.0, m_all))   # splits with nothing kept weigh 0
-    l_all = tl.sum(l_part * w, 0)
-    acc = tl.load(O_PART + part[:, None] * BLOCK_D + offs_d[None, :], mask=s_ok[:, None], other=0.0)
-    o = tl.sum(acc * w[:, None], 0) / tl.where(l_all > 0, l_all, 1.0)
-    tl.store(O + q_start * stride_ot + head * stride_oh + offs_d * stride_od, o.to(O.dtype.element_ty),
-             mask=offs_d < tl.where(q_len > 0, HEAD_DIM, 0))
+def kv_programs(num_seqs: int, head_programs: int, max_kv: int, split_k: int, window: int | None) -> int:
+    """Programs per (sequence, KV head chunk) of a decode launch, from host ints only:
+    at most the splits a sequence can walk (``max_kv`` tokens, or a window's), at most
+    :data:`MAX_KV_PROGRAMS`, and about :data:`TARGET_PROGRAMS` in the grid."""
+    n_splits = max(1, -(-max_kv // split_k))
+    if window is not None:               # a window of w tokens spans at most this many splits
+        n_splits = min(n_splits, -(-(window + TILE_K) // split_k) + 1)
+    want = -(-TARGET_PROGRAMS // max(1, num_seqs * head_programs))
+    return max(1, min(n_splits, want, MAX_KV_PROGRAMS))
 
 
 def _interpreting() -> bool:
@@ -294,23 +126,108 @@ class KernelCall:
     constexprs: dict
 
 
-@dataclass
-class Launch:
-    """What :func:`prepare` decided: the kernel calls and the buffers :func:`finish` reads.
+@dataclass(frozen=True)
+class Grid:
+    """What :func:`grid_for` decided from shapes and host ints.
 
-    ``phase`` is ``"decode"`` (split-KV launch + merge) or ``"prefill"``; ``config`` the
-    :data:`TILE_CONFIGS` entry; ``skip_cnt`` int32 ``[slots, splits, Hq, BLOCK_T]`` and
-    ``vis_cnt`` int32 ``[slots, splits, Hq]`` (``None`` without counts); ``n_thr`` the
-    number of counted lambdas.
-    """
+    ``phase`` ``"decode"`` / ``"prefill"``; ``slots`` programs along axis 0 (query tiles,
+    or sequences in decode); ``kv_progs`` programs per (slot, head chunk) along axis 2
+    (``> 1``: split-KV with partials and a merge); ``heads`` query heads packed per
+    program; ``block_m`` rows per head; ``block_d`` padded head size."""
 
     phase: str
     config: TileConfig
+    slots: int
+    head_chunks: int
+    kv_progs: int
+    heads: int
+    block_m: int
+    block_d: int
+
+    @property
+    def split(self) -> bool:
+        return self.kv_progs > 1
+
+
+@dataclass
+class Plan:
+    """What :func:`prepare` decided: the kernel calls and the buffers :func:`finish` reads.
+
+    ``skip_cnt`` int32 ``[slots, kv_progs, Hq, BLOCK_T]`` and ``vis_cnt`` int32 ``[slots,
+    kv_progs, Hq]`` (``None`` without counts); ``n_thr`` the number of counted lambdas;
+    ``scratch_bytes`` the device memory the call allocates besides ``out`` (partials,
+    counts, per-program arrays)."""
+
+    grid: Grid
     calls: list[KernelCall] = field(default_factory=list)
     out: torch.Tensor | None = None
     skip_cnt: torch.Tensor | None = None
     vis_cnt: torch.Tensor | None = None
     n_thr: int = 0
+    scratch_bytes: int = 0
+
+    @property
+    def phase(self) -> str:
+        return self.grid.phase
+
+
+def grid_for(batch: PagedBatch, spec: LayerSpec, meta: BatchMeta | None, split_k: int) -> Grid:
+    """The launch geometry from shapes and host ints (``meta`` exact, else upper bounds:
+    ``batch.max_query_len`` or ``T`` for query lengths, the block table's width for KV)."""
+    num_tokens, hq, d = batch.query.shape
+    hkv, page, n_seqs = batch.num_kv_heads, batch.page_size, batch.num_seqs
+    if meta is not None:
+        max_q, max_kv = max(meta.q_lens), max(meta.seq_lens)
+    else:
+        max_q = num_tokens if batch.max_query_len is None else min(int(batch.max_query_len), num_tokens)
+        max_kv = batch.block_table.shape[1] * page
+    phase = "decode" if max_q <= 1 else "prefill"
+    cfg = tile_config(d, batch.query.dtype, phase)
+    group = hq // hkv
+    heads = min(cfg.heads_per_program, next_pow2(group))
+    head_chunks = -(-group // heads)
+    # A smaller row block is the same query tile when every sequence fits in it; the
+    # packed block needs >= 16 rows for tl.dot.
+    block_m = min(TILE_Q, max(next_pow2(max(max_q, 1)), -(-16 // heads)))
+    if phase == "decode":
+        slots = n_seqs                 # slot s is sequence s (the merge kernel relies on it)
+        kv_progs = kv_programs(n_seqs, hkv * head_chunks, max_kv, split_k, spec.window)
+    elif meta is not None:
+        slots, kv_progs = max(1, sum(-(-n // block_m) for n in meta.q_lens)), 1
+    else:
+        slots, kv_progs = -(-num_tokens // block_m) + n_seqs, 1      # sum ceil(q_s / B) <= T / B + S
+    return Grid(phase, cfg, slots, head_chunks, kv_progs, heads, block_m, max(16, next_pow2(d)))
+
+
+def buffers_for(batch: PagedBatch, grid: Grid, n_thr: int) -> dict[str, torch.Tensor]:
+    """Per-program arrays (query tile -> sequence, first row) on the device, and the
+    partial / count buffers, each sized by the grid alone."""
+    dev, n_seqs, hq = batch.query.device, batch.num_seqs, batch.num_q_heads
+    f32, i32 = dict(dtype=torch.float32, device=dev), dict(dtype=torch.int32, device=dev)
+    if grid.phase == "decode":
+        tile_seq, tile_row0 = torch.arange(n_seqs, **i32), torch.zeros(n_seqs, **i32)
+    else:
+        # Tiles per sequence, their cumulative sum, and for each program slot the sequence
+        # whose tiles cover it (S = a surplus slot, which does nothing).
+        qsl = batch.query_start_loc.long()
+        tiles = (qsl[1:] - qsl[:-1] + grid.block_m - 1) // grid.block_m
+        cum = tiles.cumsum(0)
+        slot = torch.arange(grid.slots, device=dev)
+        seq = torch.searchsorted(cum, slot, right=True)
+        first_tile = (cum - tiles)[seq.clamp(max=n_seqs - 1)]
+        tile_row0 = ((slot - first_tile) * grid.block_m).to(torch.int32)
+        tile_seq = seq.to(torch.int32)
+    block_t = max(2, next_pow2(max(n_thr, 1)))
+    cnt_shape = (grid.slots, grid.kv_progs) if n_thr else (1, 1)
+    bufs = dict(TILE_SEQ=tile_seq, TILE_ROW0=tile_row0,
+                SKIP_CNT=torch.zeros(*cnt_shape, hq, block_t, **i32), VIS_CNT=torch.zeros(*cnt_shape, hq, **i32))
+    if grid.split:
+        part = (grid.slots, grid.kv_progs, hq)
+        bufs.update(O_PART=torch.empty(*part, grid.block_d, **f32), M_PART=torch.empty(*part, **f32),
+                    L_PART=torch.empty(*part, **f32))
+    else:
+        bufs.update(O_PART=torch.empty(1, **f32), M_PART=torch.empty(1, **f32), L_PART=torch.empty(1, **f32))
+    return bufs
 
 
 def prepare(
@@ -322,106 +239,70 @@ def prepare(
     count_thresholds: torch.Tensor | None,
     out: torch.Tensor,
     split_k: int = SPLIT_K,
-) -> Launch:
+) -> Plan:
     """Grid, tensor arguments and constexprs of one forward; launches nothing.
 
-    With ``meta`` (the host copy of the batch) the grid is exact.  With ``meta=None`` it
-    is sized from shapes and host ints only: ``batch.max_query_len`` (default ``T``, the
-    number of query tokens) bounds the query length, ``block_table.shape[1] * page_size``
-    the KV length; no device data is read on the host.  ``threshold``: float32 ``[S]`` on
-    the device; ``count_thresholds``: float32 ``[n, S]`` or ``None``.
-    """
-    query, key_cache, value_cache = batch.query, batch.key_cache, batch.value_cache
-    block_table, seq_lens, query_start_loc = batch.block_table, batch.seq_lens, batch.query_start_loc
-    scale, causal, max_query_len = float(spec.scale), spec.causal, batch.max_query_len
-    dev = query.device
-    num_tokens, hq, d = query.shape
-    hkv, page = key_cache.shape[2], key_cache.shape[1]
-    group = hq // hkv
-    n_seqs = seq_lens.shape[0]
-    if meta is not None:
-        max_q = max(meta.q_lens)
-        max_kv = max(meta.seq_lens)
-    else:
-        max_q = num_tokens if max_query_len is None else min(int(max_query_len), num_tokens)
-        max_kv = block_table.shape[1] * page
-    phase = "decode" if max_q <= 1 else "prefill"
-    cfg = tile_config(d, query.dtype, phase)
-    hpp = min(cfg.heads_per_program, next_pow2(group))
-    n_hchunks = -(-group // hpp)
-    # A smaller row block is the same query tile when every sequence fits in it; the
-    # packed block needs >= 16 rows for tl.dot.
-    block_m = min(TILE_Q, max(next_pow2(max(max_q, 1)), -(-16 // hpp)))
-    block_d = max(16, next_pow2(d))
-    tps = split_k // TILE_K
-
-    # Query tiles -> sequences, on the device: tiles per sequence, their cumulative sum,
-    # and for each program slot the sequence whose tiles cover it (S = surplus slot).
-    # Decode: slot s is sequence s (the merge kernel relies on it; q_len 0 does nothing).
-    if phase == "decode":
-        n_slots = n_seqs
-        tile_seq = torch.arange(n_seqs, dtype=torch.int32, device=dev)
-        tile_row0 = torch.zeros(n_seqs, dtype=torch.int32, device=dev)
-    else:
-        if meta is not None:
-            n_slots = max(1, sum(-(-n // block_m) for n in meta.q_lens))
-        else:
-            n_slots = -(-num_tokens // block_m) + n_seqs       # sum ceil(q_s / B) <= T / B + S
-        qsl = query_start_loc.long()
-        tiles = (qsl[1:] - qsl[:-1] + block_m - 1) // block_m
-        cum = tiles.cumsum(0)
-        slot = torch.arange(n_slots, device=dev)
-        tile_seq = torch.searchsorted(cum, slot, right=True)
-        first_tile = (cum - tiles)[tile_seq.clamp(max=n_seqs - 1)]
-        tile_row0 = ((slot - first_tile) * block_m).to(torch.int32)
-        tile_seq = tile_seq.to(torch.int32)
-
-    n_splits = max(1, -(-max_kv // split_k)) if phase == "decode" else 1
+    ``threshold``: float32 ``[S]`` on the device; ``count_thresholds``: float32 ``[n, S]``
+    or ``None``.  Reads no device data on the host (``meta=None``: upper-bound grid)."""
+    query, dev, n_seqs, hq = batch.query, batch.query.device, batch.num_seqs, batch.num_q_heads
+    grid = grid_for(batch, spec, meta, split_k)
     counting = count_thresholds is not None
     n_thr = count_thresholds.shape[0] if counting else 0
-    block_t = max(2, next_pow2(max(n_thr, 1)))
+    bufs = buffers_for(batch, grid, n_thr)
+    block_t = bufs["SKIP_CNT"].shape[-1]
     # Per-sequence lambdas live in device arrays (pointers): new values never recompile.
     thresh = torch.full((n_seqs, block_t), -1.0, dtype=torch.float32, device=dev)
     if n_thr:
         thresh[:, :n_thr] = count_thresholds.T.to(dev, torch.float32)
-    lam = threshold
-    cnt_slots = n_slots if counting else 1
-    skip_cnt = torch.zeros(cnt_slots, n_splits if counting else 1, hq, block_t, dtype=torch.int32, device=dev)
-    vis_cnt = torch.zeros(cnt_slots, n_splits if counting else 1, hq, dtype=torch.int32, device=dev)
-    if phase == "decode":
-        o_part = torch.empty(n_slots, n_splits, hq, block_d, dtype=torch.float32, device=dev)
-        m_part = torch.empty(n_slots, n_splits, hq, dtype=torch.float32, device=dev)
-        l_part = torch.empty(n_slots, n_splits, hq, dtype=torch.float32, device=dev)
+    # Scales: host floats fold into the logit scale / multiply the output; tensors stay on
+    # the device and are read by the kernels (a captured graph sees in-place updates).
+    scale_ptrs = isinstance(spec.k_scale, torch.Tensor) or isinstance(spec.v_scale, torch.Tensor)
+    if scale_ptrs:
+        k_scale = spec.k_scale if isinstance(spec.k_scale, torch.Tensor) else torch.full((1,), spec.k_scale, device=dev)
+        v_scale = spec.v_scale if isinstance(spec.v_scale, torch.Tensor) else torch.full((1,), spec.v_scale, device=dev)
+        scale, v_scale_f = float(spec.scale), 1.0
     else:
-        o_part = m_part = l_part = torch.empty(1, dtype=torch.float32, device=dev)
+        k_scale = v_scale = bufs["L_PART"]             # unused pointers
+        scale, v_scale_f = float(spec.scale) * float(spec.k_scale), float(spec.v_scale)
+    sinks = spec.sink_logits if spec.sink_logits is not None else bufs["L_PART"]
+    window = spec.window
+    cap = spec.soft_cap
 
-    launch = Launch(phase, cfg, out=out, skip_cnt=skip_cnt if counting else None,
-                    vis_cnt=vis_cnt if counting else None, n_thr=n_thr)
-    launch.calls.append(KernelCall(
-        _paged_attn_kernel, (n_slots, hkv * n_hchunks, n_splits),
-        (query, key_cache, value_cache, out, block_table, seq_lens, query_start_loc, tile_seq, tile_row0,
-         lam, thresh, skip_cnt, vis_cnt, o_part, m_part, l_part,
-         float(scale), n_thr, page, tps, n_seqs, hq,
-         *query.stride(), *key_cache.stride(), *value_cache.stride(), *out.stride(), *block_table.stride()),
-        dict(GROUP=group, HPP=hpp, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=TILE_K, BLOCK_T=block_t,
-             CAUSAL=bool(causal), COUNT=counting, SPLIT=phase == "decode",
+    plan = Plan(grid, out=out, skip_cnt=bufs["SKIP_CNT"] if counting else None,
+                vis_cnt=bufs["VIS_CNT"] if counting else None, n_thr=n_thr)
+    plan.scratch_bytes = sum(t.numel() * t.element_size() for t in bufs.values()) + thresh.numel() * 4
+    cfg = grid.config
+    plan.calls.append(KernelCall(
+        paged_attn_kernel, (grid.slots, batch.num_kv_heads * grid.head_chunks, grid.kv_progs),
+        (query, batch.key_cache, batch.value_cache, out, batch.block_table, batch.seq_lens, batch.query_start_loc,
+         bufs["TILE_SEQ"], bufs["TILE_ROW0"], threshold, thresh, bufs["SKIP_CNT"], bufs["VIS_CNT"],
+         bufs["O_PART"], bufs["M_PART"], bufs["L_PART"], sinks, k_scale, v_scale,
+         scale, v_scale_f, float(cap or 1.0), int(window or 0), n_thr, batch.page_size, split_k // TILE_K, n_seqs,
+         hq, *query.stride(), *batch.key_cache.stride(), *batch.value_cache.stride(), *out.stride(),
+         *batch.block_table.stride()),
+        dict(GROUP=batch.group, HEADS=grid.heads, HEAD_DIM=batch.head_dim, BLOCK_D=grid.block_d,
+             BLOCK_M=grid.block_m, BLOCK_N=TILE_K, BLOCK_T=block_t, CAUSAL=bool(spec.causal),
+             WINDOW=window is not None, SOFT_CAP=cap is not None, HAS_SINKS=spec.sink_logits is not None,
+             SCALE_PTRS=scale_ptrs, COUNT=counting, SPLIT=grid.split,
              FP32_DOT=query.dtype == torch.float32 or _interpreting(),
              num_warps=cfg.num_warps, num_stages=cfg.num_stages)))
-    if phase == "decode":
-        launch.calls.append(KernelCall(
-            _merge_splits_kernel, (n_slots, hq),
-            (o_part, m_part, l_part, out, query_start_loc, n_splits, hq, *out.stride()),
-            dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=max(2, next_pow2(n_splits)), num_warps=4)))
-    return launch
+    if grid.split:
+        plan.calls.append(KernelCall(
+            merge_splits_kernel, (n_seqs, hq),
+            (bufs["O_PART"], bufs["M_PART"], bufs["L_PART"], out, batch.query_start_loc, sinks, v_scale, v_scale_f,
+             grid.kv_progs, hq, *out.stride()),
+            dict(HEAD_DIM=batch.head_dim, BLOCK_D=grid.block_d, BLOCK_S=max(2, next_pow2(grid.kv_progs)),
+                 HAS_SINKS=spec.sink_logits is not None, SCALE_PTRS=scale_ptrs, num_warps=4)))
+    return plan
 
 
-def launch(plan: Launch) -> None:
+def launch(plan: Plan) -> None:
     """Run the prepared kernels (the only step that touches Triton)."""
     for call in plan.calls:
         call.kernel[call.grid](*call.args, **call.constexprs)
 
 
-def finish(plan: Launch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def finish(plan: Plan) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(out, skipped int64 [n, Hq], visited int64 [Hq])`` as device tensors (no host read)."""
     if plan.skip_cnt is None:
         return plan.out, None, None

@@ -2,6 +2,7 @@
 report tokens and the sparse-attn stats RPC of each, as JSON.
 
     python tests/engine/feature_driver.py OUT.json CKPT [CKPT ...] [--kv-cache-dtype fp8] [--max-tokens 16]
+        [--prompt-len 300]
 
 One process for several engines saves the vLLM import per engine (each engine core is its own
 process, so the engines do not share state). A script, not a test: vLLM's engine processes need
@@ -14,33 +15,48 @@ import gc
 import json
 import random
 
-NUM_PROMPTS, PROMPT_LEN = 3, 300
+NUM_PROMPTS = 3
 
 
-def prompts(vocab: int) -> list[list[int]]:
+def prompts(vocab: int, prompt_len: int) -> list[list[int]]:
     rng = random.Random(0)
     # a repeated phrase with noise: attention has structure to find, and rows differ
     phrase = [rng.randrange(4, vocab) for _ in range(23)]
     out = []
     for p in range(NUM_PROMPTS):
-        ids = [1] + [t if rng.random() > 0.2 else rng.randrange(4, vocab) for t in (phrase * 20)][: PROMPT_LEN - 10 * p]
+        noisy = [t if rng.random() > 0.2 else rng.randrange(4, vocab) for t in phrase * (prompt_len // len(phrase) + 1)]
+        ids = [1] + noisy[: prompt_len - 10 * p]
         out.append(ids)
     return out
 
 
-def serve(ckpt: str, kv_cache_dtype: str, max_tokens: int) -> dict:
+def _chosen(step: dict, token: int) -> float:
+    """The logprob vLLM reports for ``token`` at one position."""
+    return float(step[token].logprob)
+
+
+def serve(ckpt: str, kv_cache_dtype: str, max_tokens: int, prompt_len: int) -> dict:
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=ckpt, dtype="float32", max_model_len=1024, enforce_eager=True, kv_cache_memory_bytes=64 << 20,
+    llm = LLM(model=ckpt, dtype="float32", max_model_len=1024, enforce_eager=True, kv_cache_memory_bytes=128 << 20,
               enable_prefix_caching=False, seed=0, kv_cache_dtype=kv_cache_dtype)
     vocab = llm.llm_engine.model_config.get_vocab_size()
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts(vocab)], params, use_tqdm=False)
+    # logprobs of every prompt token (prefill attention at every position) and of each generated one
+    # (decode): on random checkpoints, whose greedy tokens repeat, these are what tells layers apart
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts(vocab, prompt_len)], params, use_tqdm=False)
     try:
         stats = llm.collective_rpc("sparse_attn_stats")
     except Exception as exc:  # noqa: BLE001 - reported, the test decides
         stats = {"unavailable": str(exc)}
-    report = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "stats": stats}
+    report = {
+        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "prompt_logprobs": [[_chosen(step, tok) for step, tok in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])]
+                            for o in outputs],
+        "logprobs": [[_chosen(step, tok) for step, tok in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                     for o in outputs],
+        "stats": stats,
+    }
     del llm
     gc.collect()
     return report
@@ -52,11 +68,12 @@ def main() -> int:
     ap.add_argument("checkpoints", nargs="+")
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=300, help="longest prompt, tokens (> the windows tested)")
     args = ap.parse_args()
     reports = {}
     for ckpt in args.checkpoints:
         try:
-            reports[ckpt] = serve(ckpt, args.kv_cache_dtype, args.max_tokens)
+            reports[ckpt] = serve(ckpt, args.kv_cache_dtype, args.max_tokens, args.prompt_len)
         except Exception as exc:  # noqa: BLE001 - e.g. vLLM refusing the model on this machine: the test reads why
             reports[ckpt] = {"error": f"{type(exc).__name__}: {exc}"}
     with open(args.out, "w") as f:

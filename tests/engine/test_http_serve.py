@@ -161,8 +161,9 @@ def test_no_config_serves_native_and_says_so(checkpoint_with, tmp_path):
         stats = srv.stats()
     assert out["usage"]["completion_tokens"] == 4
     log = srv.log_text()
-    assert "has no sparse_attention_config; serving with native attention" in log  # sparse-attn serve
-    assert "has no sparse_attention_config in config.json; vLLM attention left native" in log  # the worker
+    native = "has no sparse_attention_config in config.json; vLLM attention left native"  # one start-up policy
+    assert f"sparse-attn serve: {ckpt} {native}" in log  # sparse-attn serve
+    assert re.search(r"\[sparse_attn\] sparse-attn: \S+ " + re.escape(native), log)  # the worker
     assert "attention layers sparse" not in log
     assert all(s["layers_installed"] == 0 and s["install"]["reason"] == "no skip-softmax sparse_attention_config" for s in stats)
     assert srv.returncode == 0 and not srv.group_alive()

@@ -48,3 +48,77 @@ def test_listed_flag_is_in_vllms_serve_parser(vllm_options, flag):
 @pytest.mark.parametrize("prefix", sorted(VLLM_SERVE_FLAG_PREFIXES))
 def test_listed_prefix_matches_a_vllm_flag(vllm_options, prefix):
     assert any(option.startswith(prefix) for option in vllm_options)
+
+
+# --------------------------------------------------------------------------- #
+# compat.launch reads the server flags as vLLM's own parser does (issue 18 item 9)
+# --------------------------------------------------------------------------- #
+@pytest.fixture(scope="module")
+def serve_parser() -> argparse.ArgumentParser:
+    return _serve_parser()
+
+
+@pytest.mark.parametrize("value", ["4096", "32k", "32K", "25.6k", "auto", "-1"])
+def test_max_model_len_is_read_as_vllm_reads_it(serve_parser, value):
+    from compat.launch import read_server_args
+
+    theirs = serve_parser.parse_args(["--max-model-len", value]).max_model_len
+    ours = read_server_args(["--max-model-len", value]).max_model_len
+    assert ours == (None if theirs in (-1, None) else theirs)
+
+
+@pytest.mark.parametrize("args", [
+    pytest.param(["--max-model", "1000"], id="abbreviated_flag"),
+    pytest.param(["--max_model_len=3k"], id="underscores_and_equals"),
+    pytest.param(["--hf-overrides", '{"max_position_embeddings": 8192}'], id="json_overrides"),
+    pytest.param(["--hf-overrides.sparse_attention_config.config_groups.g.ignor", '["x"]',
+                  "--hf-overrides.max_position_embeddings", "8k"], id="dotted_overrides"),
+])
+def test_server_args_are_read_as_vllm_reads_them(serve_parser, args):
+    from compat.launch import read_server_args
+
+    theirs = serve_parser.parse_args(args)
+    ours = read_server_args(args)
+    assert ours.max_model_len == (None if theirs.max_model_len in (-1, None) else theirs.max_model_len)
+    assert dict(ours.hf_overrides or {}) == dict(theirs.hf_overrides or {})
+
+
+@pytest.mark.parametrize("value", ["\u00b2", "1.5K", "lots"])
+def test_lengths_vllm_refuses_are_refused(serve_parser, value):
+    from compat.launch import ServerArgsError, read_server_args
+
+    with pytest.raises(SystemExit):
+        serve_parser.parse_args(["--max-model-len", value])
+    with pytest.raises(ServerArgsError, match="is not a token count"):
+        read_server_args(["--max-model-len", value])
+
+
+def test_engine_choices_are_what_vllms_parser_offers(serve_parser):
+    from compat.launch import engine_choices
+
+    choices = engine_choices()
+    dtype = next(a for a in serve_parser._actions if "--dtype" in a.option_strings)
+    assert set(choices.dtypes) == set(dtype.choices)
+    assert "CPU_ATTN" in choices.backends and "FLASHINFER" in choices.backends
+    assert {"model", "max_model_len", "kv_cache_memory_bytes", "gpu_memory_utilization"} <= choices.kwargs
+
+
+@pytest.mark.parametrize("flag,value,words", [
+    ("--dtype", "nonsense", "is not a dtype vLLM"),
+    ("--attention_backend", "NOPE", "is not a backend vLLM"),
+    ("--engine_kwargs", '{"kv_cache_memory_byte": 1}', "(did you mean 'kv_cache_memory_bytes'?)"),
+])
+def test_calibrate_refuses_engine_values_this_release_rejects(tmp_path, capsys, flag, value, words):
+    import json
+
+    from sparse_attn.cli import main
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 4096}))
+    data = tmp_path / "ids.jsonl"
+    data.write_text(json.dumps({"prompt_token_ids": [1, 2, 3]}) + "\n")
+    code = main(["calibrate", str(ckpt), "--prompts_file", str(data), "--output", str(tmp_path / "out.json"), flag, value])
+    out = capsys.readouterr()
+    assert code == 2 and words in out.err, out.err
+    assert not (tmp_path / "out.json").exists()

@@ -31,6 +31,13 @@ def _ops():
         pytest.skip(f"vLLM's ops are not importable: {exc}")
     if not hasattr(torch.ops._C, "cpu_attention_with_kv_cache"):
         pytest.skip("the native CPU attention ops are not built into this vLLM (CUDA wheel)")
+    import inspect
+
+    wanted = {"sliding_window", "softcap", "s_aux", "scheduler_metadata"}
+    have = set(inspect.signature(getattr(ops, "cpu_attention_with_kv_cache", lambda: None)).parameters)
+    if not wanted <= have or not hasattr(ops, "cpu_attn_get_scheduler_metadata"):
+        pytest.skip(f"this vLLM's CPU attention op takes {sorted(have)}, not the 0.29-0.32 window/soft-cap/sinks "
+                    f"arguments this contract reads (missing {sorted(wanted - have)})")
     return ops
 
 

@@ -3,8 +3,9 @@
 Shared by the kernel tests and ``benchmarks/gpu_check.py`` (which runs where pytest may
 not be installed, hence no pytest import here).  Dense attention is float64 softmax on
 K/V gathered token by token; the sparse reference walks every (query head, query tile,
-KV tile) in Python loops and applies the documented skip rule, KV splits included (each
-later split's running max seeded with KV tile 0's maxima).
+KV tile) in Python loops and applies the documented skip rule: KV splits (each later
+split's running max seeded with the anchor tile's maxima), sliding windows, logit
+soft-cap, learned sink logits, fp8 caches with per-tensor scales.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import math
 
 import torch
 
-from sparse_attn.kernels import SPLIT_K, TILE_K, TILE_Q, BatchMeta, PagedBatch
+from sparse_attn.kernels import SPLIT_K, TILE_K, TILE_Q, BatchMeta, LayerSpec, PagedBatch
 
 
 def _cache_pair(n_blocks, page, hkv, d, layout, dtype, gen):
@@ -48,13 +49,16 @@ def _cache_pair(n_blocks, page, hkv, d, layout, dtype, gen):
 
 
 def make_batch(kv_lens, q_lens, hq, hkv, d, page, *, layout="contiguous", dtype=torch.float32, seed=0,
-               host=False):
+               host=False, kv_dtype=None, k_scale=1.0, v_scale=1.0):
     """Random :class:`PagedBatch`; every cache slot no sequence owns holds NaN, unused table
-    entries -1; ``host=True`` attaches the host copy of the lengths."""
+    entries -1; ``host=True`` attaches the host copy of the lengths.  ``kv_dtype`` (default:
+    the query's ``dtype``) may be an fp8 dtype: the cache then holds ``x / scale`` rounded to
+    it (the dequantised values are ``cache * scale``, as vLLM's writer stores them)."""
     gen = torch.Generator().manual_seed(seed)
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
     need = [-(-n // page) for n in kv_lens]
     n_blocks = sum(need) + 2
-    k, v = _cache_pair(n_blocks, page, hkv, d, layout, dtype, gen)
+    k, v = _cache_pair(n_blocks, page, hkv, d, layout, kv_dtype, gen)
     perm = torch.randperm(n_blocks, generator=gen)
     bt = torch.full((len(kv_lens), max(need + [1]) + 1), -1, dtype=torch.int32)
     used = 0
@@ -63,23 +67,27 @@ def make_batch(kv_lens, q_lens, hq, hkv, d, page, *, layout="contiguous", dtype=
         used += need[s]
         pos = torch.arange(n)
         blk = bt[s].long()[pos // page]
-        k[blk, pos % page] = torch.randn(n, hkv, d, generator=gen).to(dtype)
-        v[blk, pos % page] = torch.randn(n, hkv, d, generator=gen).to(dtype)
+        k[blk, pos % page] = (torch.randn(n, hkv, d, generator=gen) / k_scale).to(kv_dtype)
+        v[blk, pos % page] = (torch.randn(n, hkv, d, generator=gen) / v_scale).to(kv_dtype)
     q = torch.randn(sum(q_lens), hq, d, generator=gen).to(dtype)
     qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
     meta = BatchMeta.from_host(kv_lens, qsl) if host else None
     return PagedBatch(q, k, v, bt, torch.tensor(kv_lens, dtype=torch.int32), qsl, host=meta)
 
 
-def add_sink(batch, strength=3.0):
-    """Give every query a large score on each sequence's first key (an attention sink),
-    so that whole 64-row query tiles agree on skipping the unremarkable KV tiles."""
+def add_sink_token(batch, strength=3.0, every=None):
+    """Give every query a large score on each sequence's first key (a StreamingLLM
+    "sink token"), and with ``every`` on each key at a multiple of ``every`` positions
+    too, so that whole 64-row query tiles agree on skipping the unremarkable KV tiles
+    (windowed rows do not see position 0: ``every`` gives them peaks inside the window)."""
     q, k, bt, seq_lens = batch.query, batch.key_cache, batch.block_table, batch.seq_lens
+    page = k.shape[1]
     u = torch.zeros(q.shape[-1], dtype=q.dtype)
     u[0] = strength
     for s in range(len(seq_lens)):
-        if int(seq_lens[s]) > 0:
-            k[int(bt[s, 0]), 0, :, 0] = strength * 2
+        n = int(seq_lens[s])
+        for pos in range(0, n, every or max(n, 1)):
+            k[int(bt[s, pos // page]), pos % page, :, 0] = strength * 2
     return dataclasses.replace(batch, query=q + u)
 
 
@@ -89,18 +97,26 @@ def gather_seq(cache, bt, s, n):
     return cache[bt[s].long()[pos // page], pos % page].double()       # [n, Hkv, D]
 
 
-def reference(batch, scale, lam=0.0, causal=True, thresholds=(), split_k=SPLIT_K):
-    """Brute-force float64 attention with the documented tile skip rule (at every
-    ``split_k`` boundary after the first the dense running max restarts from KV tile 0's
-    maxima; only KV tile 0 is never skippable).
+def _scale_value(x) -> float:
+    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
 
-    Returns ``(out [T, Hq, D] float64, skipped [Hq] under lam, visited [Hq],
+
+def reference(batch, spec, lam=0.0, thresholds=(), split_k=SPLIT_K):
+    """Brute-force float64 attention with the documented tile skip rule, written from the
+    text of ``sparse_attn/kernels/_common.py`` alone.
+
+    ``spec`` is a :class:`LayerSpec` or a float (the softmax scale of a plain causal
+    layer).  Returns ``(out [T, Hq, D] float64, skipped [Hq] under lam, visited [Hq],
     skipped_per_threshold [len(thresholds), Hq])``.
     """
+    spec = spec if isinstance(spec, LayerSpec) else LayerSpec(float(spec))
     q, k, v, bt, seq_lens, qsl = (batch.query, batch.key_cache, batch.value_cache, batch.block_table,
                                   batch.seq_lens, batch.query_start_loc)
     t_tokens, hq, d = q.shape
     g = hq // k.shape[2]
+    logit_scale = float(spec.scale) * _scale_value(spec.k_scale)
+    w, cap = spec.window, spec.soft_cap
+    sinks = None if spec.sink_logits is None else spec.sink_logits.detach().double().cpu()
     out = torch.zeros(t_tokens, hq, d, dtype=torch.float64)
     skipped = torch.zeros(hq, dtype=torch.int64)
     visited = torch.zeros(hq, dtype=torch.int64)
@@ -110,28 +126,37 @@ def reference(batch, scale, lam=0.0, causal=True, thresholds=(), split_k=SPLIT_K
         q_len = b - a
         if q_len == 0:
             continue
-        keys, vals = gather_seq(k, bt, s, n), gather_seq(v, bt, s, n)
+        keys, vals = gather_seq(k, bt, s, n), gather_seq(v, bt, s, n) * _scale_value(spec.v_scale)
         qpos = torch.arange(n - q_len, n)
-        if causal:
-            allowed = torch.arange(n)[None, :] <= qpos[:, None]
-        else:
-            allowed = torch.ones(q_len, n, dtype=torch.bool)
+        cols = torch.arange(n)
+        allowed = cols[None, :] <= qpos[:, None] if spec.causal else torch.ones(q_len, n, dtype=torch.bool)
+        if w is not None:
+            allowed &= cols[None, :] >= qpos[:, None] - w + 1
         for h in range(hq):
-            scores = q[a:b, h].double() @ keys[:, h // g].T * scale
+            scores = q[a:b, h].double() @ keys[:, h // g].T * logit_scale
+            if cap is not None:
+                scores = cap * torch.tanh(scores / cap)
             scores = scores.masked_fill(~allowed, float("-inf"))
             keep = torch.zeros(q_len, n, dtype=torch.bool)
             for qt in range(-(-q_len // TILE_Q)):
                 r0, r1 = qt * TILE_Q, min(q_len, (qt + 1) * TILE_Q)
-                last = (int(qpos[r1 - 1]) if causal else n - 1) // TILE_K
+                seen = allowed[r0:r1].nonzero()[:, 1]
+                first, last = int(seen.min()) // TILE_K, int(seen.max()) // TILE_K
                 m = torch.full((r1 - r0,), float("-inf"), dtype=torch.float64)
-                seed = scores[r0:r1, :min(n, TILE_K)].amax(1)       # KV tile 0's maxima
-                for t in range(last + 1):
+                seed = scores[r0:r1, first * TILE_K:min(n, (first + 1) * TILE_K)].amax(1)   # the anchor's maxima
+                for t in range(first, last + 1):
                     c0, c1 = t * TILE_K, min(n, (t + 1) * TILE_K)
                     tmax = scores[r0:r1, c0:c1].amax(1)
                     visited[h] += 1
-                    if t > 0 and c0 % split_k == 0:                 # a later split opens
+                    if t > first and c0 % split_k == 0:               # a later split opens: the seed
                         m = seed.clone()
-                    ratio = math.inf if t == 0 else torch.exp(tmax - m).max().item()
+                    if t == first:
+                        ratio = math.inf                              # the anchor is never skipped
+                    else:
+                        # A row that sees nothing of the tile does not vote (0); one that sees
+                        # it while its running max is still empty keeps it (inf).
+                        e = torch.where(tmax == float("-inf"), 0.0, torch.exp(tmax - m))
+                        ratio = e.max().item()
                     for j, thr in enumerate(thresholds):
                         per_thr[j, h] += ratio < thr
                     if ratio < lam:
@@ -139,6 +164,9 @@ def reference(batch, scale, lam=0.0, causal=True, thresholds=(), split_k=SPLIT_K
                     else:
                         keep[r0:r1, c0:c1] = True
                     m = torch.maximum(m, tmax)
-            p = scores.masked_fill(~keep, float("-inf")).softmax(-1)
+            logits = scores.masked_fill(~keep, float("-inf"))
+            if sinks is not None:    # one more logit per head, in the denominator only
+                logits = torch.cat([logits, sinks[h].expand(q_len, 1)], 1)
+            p = logits.softmax(-1)[:, :n]
             out[a:b, h] = p @ vals[:, h // g]
     return out, skipped, visited, per_thr

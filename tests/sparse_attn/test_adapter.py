@@ -148,9 +148,10 @@ def test_mixed_batch_each_phase_gets_its_threshold_and_one_write(kernel_calls):
     result = impl.forward(layer, query, key, value, kv_cache, md, output)
 
     assert result is output
-    # one launch per phase, lambda = scale / kv_len per sequence (fp32 in the kernel), prefill dense
+    # one launch per phase, lambda = scale / kv_len per sequence (float64 division, fp32 as the kernel
+    # compares, computed on the device), prefill dense
     assert sorted(kernel_calls, key=repr) == sorted([
-        ([decode_scale / 40, decode_scale / 9], [40, 9]),
+        (torch.tensor([decode_scale / 40, decode_scale / 9], dtype=torch.float32).tolist(), [40, 9]),
         (None, [50]),
     ], key=repr)
     assert len(writes) == 1 and torch.equal(writes[0], md.slot_mapping[: md.num_actual_tokens])
@@ -395,7 +396,8 @@ def test_uniform_decode_forward_reads_no_device_data(style, mode, monkeypatch):
 
 
 def test_the_no_host_read_harness_catches_the_eager_path():
-    """The meta-device proof above can fail: the eager (prefill) path reads batch lists on the host."""
+    """The meta-device proof above can fail: a prefill batch whose metadata has no host copy of its
+    lengths makes the step read them from the device (once), which meta tensors refuse."""
     layer = types.SimpleNamespace(impl=NativeImpl(), isa="vec")
     impl = make_sparse(layer, INFO, Policy(scale_factors={"decode": 12.0, "prefill": 3.0}, stats_interval_s=0), WorkerStats())
     md = Metadata(torch.tensor([0, 3], device="meta"), torch.tensor([40], device="meta"), torch.zeros(1, 2, dtype=torch.int32, device="meta"),
@@ -453,3 +455,158 @@ def test_uniform_decode_forward_reads_no_device_data_down_to_the_kernel_launch(s
     assert layer.impl.forward_calls == 0
     (phase, _device), = stats.device_counts
     assert phase == "decode"
+
+
+# --------------------------------------------------------------------------- prefill / mixed steps: host reads per step
+class _DeviceReads:
+    """Counts every op that brings device data to the host (``.item()`` / ``bool()`` / ``.tolist()``
+    of a non-CPU tensor, copies from a non-CPU tensor to a CPU one), as a dispatch mode."""
+
+    def __new__(cls):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Mode(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.reads = []
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+                if func is torch.ops.aten._local_scalar_dense.default and src.device.type != "cpu":
+                    self.reads.append(func.__name__)
+                elif func is torch.ops.aten._to_copy.default and kwargs.get("device") is not None \
+                        and src.device.type != "cpu" and torch.device(kwargs["device"]).type == "cpu":
+                    self.reads.append(func.__name__)
+                elif func is torch.ops.aten.copy_.default and args[1].device.type != "cpu" and args[0].device.type == "cpu":
+                    self.reads.append(func.__name__)
+                return func(*args, **kwargs)
+
+        return Mode()
+
+
+MIXED_Q, MIXED_KV = [1, 100, 1, 37], [500, 300, 9, 80]
+
+
+def _mixed_step(host: dict):
+    """One mixed step as FlashInfer hands it over (its builder input captured), every device tensor
+    on ``meta`` (no data: a host read of it raises), vLLM's host copies per ``host``."""
+    starts = [0]
+    for q in MIXED_Q:
+        starts.append(starts[-1] + q)
+    t, s = starts[-1], len(MIXED_Q)
+    meta = dict(device="meta")
+    common = types.SimpleNamespace(
+        query_start_loc=torch.empty(s + 1, dtype=torch.int32, **meta), seq_lens=torch.empty(s, dtype=torch.int32, **meta),
+        block_table_tensor=torch.empty(s, 20, dtype=torch.int32, **meta), slot_mapping=torch.empty(t + 3, dtype=torch.int64, **meta),
+        num_actual_tokens=t, max_query_len=max(MIXED_Q), max_seq_len=max(MIXED_KV), causal=True,
+        **{name: torch.tensor(values, dtype=torch.int32) for name, values in host.items()})
+    return _FlashInferBuilder().build(0, common), t
+
+
+@pytest.mark.parametrize("host, reads_per_step", [
+    pytest.param({"query_start_loc_cpu": [0, 1, 101, 102, 139], "seq_lens_cpu": MIXED_KV}, 0, id="exact-host-copies"),
+    pytest.param({"query_start_loc_cpu": [0, 1, 101, 102, 139], "seq_lens_cpu_upper_bound": [v + 2 for v in MIXED_KV]}, 1,
+                 id="upper-bound-only-vllm-0.32"),
+    pytest.param({}, 1, id="no-host-copies"),
+])
+def test_a_prefill_step_reads_the_device_at_most_once_over_all_layers(host, reads_per_step, monkeypatch):
+    """Issue 18.1: four layers serve two mixed steps (decode and prefill rows, both phases
+    calibrated) through the real kernel entry down to the Triton launch (only the launch is a
+    recorder). Every device tensor is on ``meta``, so any read of device data raises; the one
+    read a step may need (vLLM kept no exact copy of the KV lengths) goes through
+    ``compat.batch._read_device``, counted here. With exact host copies: none at all."""
+    pytest.importorskip("triton")
+    import functools
+
+    import sparse_attn.adapter as adapter
+    from compat import batch as cbatch
+    from sparse_attn.kernels import api, triton_impl
+
+    monkeypatch.setenv("SPARSE_ATTN_KV_LAYOUT", "FLASHINFER=packed")
+    compat.reset_for_tests()
+    info = dataclasses.replace(INFO, backend="FLASHINFER", cpu_isa=None, needs_batch_capture=True)
+    monkeypatch.setattr(_FlashInferBuilder, "build", _FlashInferBuilder.build)  # undo the wrapper afterwards
+    assert cmodel.prepare_layer(types.SimpleNamespace(impl=NativeImpl(), attn_backend=_FLASHINFER), info) is info
+    launches, device_reads = [], []
+    monkeypatch.setattr(triton_impl, "launch", lambda plan: launches.append(plan))
+    monkeypatch.setattr(adapter, "paged_attention", functools.partial(api.paged_attention, impl="triton"))
+
+    def read_device(tensor):  # what the step's one read would bring back, without reading meta data
+        device_reads.append(tuple(tensor.shape))
+        truth = torch.tensor([0, 1, 101, 102, 139] + MIXED_KV) if tensor.shape[0] == 9 else torch.tensor(MIXED_KV)
+        return truth
+
+    monkeypatch.setattr(cbatch, "_read_device", read_device)
+    stats = WorkerStats()
+    policy = Policy(scale_factors={"decode": 12.0, "prefill": 3.0}, stats_interval_s=0)
+    layers = [types.SimpleNamespace(impl=NativeImpl()) for _ in range(4)]
+    impls = [make_sparse(layer, info, policy, stats) for layer in layers]
+    f16 = dict(dtype=torch.float16, device="meta")
+    mode = _DeviceReads()
+    for step in range(2):
+        md, t = _mixed_step(host)
+        padded = t + 3
+        with mode:
+            for layer, impl in zip(layers, impls):
+                out = torch.empty(padded, HQ * D, **f16)
+                assert impl.forward(layer, torch.empty(padded, HQ * D, **f16), torch.empty(padded, HKV, D, **f16),
+                                    torch.empty(padded, HKV, D, **f16), torch.empty(B, HKV, N, 2 * D, **f16), md, out) is out
+    assert mode.reads == [], f"device data read on the host: {mode.reads}"
+    assert len(device_reads) == 2 * reads_per_step, device_reads
+    assert len(launches) == 2 * 4 * 2, "one launch per phase, per layer, per step"
+    assert all(layer.impl.forward_calls == 0 for layer in layers)
+    assert {phase for phase, _ in stats.device_counts} == {"decode", "prefill"}
+
+
+# --------------------------------------------------------------------------- layer features (LayerSpec per layer)
+def featured_reference(query, kv_cache, md, window, soft_cap, sinks):
+    """float64 attention of the meaning compat reports (``LayerFeatures``): a row at position p sees
+    keys [p - w + 1, p]; logits ``cap * tanh(s / cap)``; one sink logit per query head in the
+    denominator only. Written here, independent of the kernels and their reference."""
+    k_cache, v_cache = compat.kv_cache_views(kv_cache, head_size=D, backend="CPU_ATTN", isa="vec")
+    starts, lens = md.query_start_loc.tolist(), md.seq_lens.tolist()
+    out = torch.empty(query.shape, dtype=torch.float64)
+    for s, kv_len in enumerate(lens):
+        blocks = md.block_table[s, : (kv_len + N - 1) // N]
+        k = k_cache[blocks].reshape(-1, HKV, D)[:kv_len].double().repeat_interleave(HQ // HKV, dim=1)
+        v = v_cache[blocks].reshape(-1, HKV, D)[:kv_len].double().repeat_interleave(HQ // HKV, dim=1)
+        q = query[starts[s] : starts[s + 1]].double()
+        for i in range(q.shape[0]):
+            p = kv_len - q.shape[0] + i
+            keys = torch.arange(max(0, p - window + 1), p + 1)
+            logits = torch.einsum("hd,khd->hk", q[i], k[keys]) * SCALE
+            logits = soft_cap * torch.tanh(logits / soft_cap)
+            weights = torch.exp(logits - logits.max(dim=1, keepdim=True).values)
+            sink = torch.exp(sinks.double() - logits.max(dim=1).values)
+            out[starts[s] + i] = torch.einsum("hk,khd->hd", weights, v[keys]) / (weights.sum(dim=1) + sink)[:, None]
+    return out
+
+
+@pytest.mark.parametrize("q_lens, kv_lens", [
+    pytest.param([1, 20, 1], [40, 50, 9], id="mixed"),
+    pytest.param([1, 1, 1], [40, 64, 9], id="uniform-decode"),
+])
+def test_a_layer_with_window_soft_cap_and_sinks_is_served_with_its_spec(q_lens, kv_lens, kernel_calls):
+    """The adapter builds the layer's LayerSpec once from compat's features and the layer's own sink
+    tensor; prefill and decode launches compute that layer's attention (float64 reference), and a
+    window shorter than the context really drops keys (the plain causal answer differs)."""
+    gen = torch.Generator().manual_seed(3)
+    query, key, value, kv_cache, md = build_batch(gen, q_lens=q_lens, kv_lens=kv_lens)
+    window, soft_cap = 16, 5.0
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    info = dataclasses.replace(INFO, features=cmodel.LayerFeatures(sliding_window=window, logits_soft_cap=soft_cap,
+                                                                    has_sinks=True))
+    layer = types.SimpleNamespace(impl=NativeImpl(), isa="vec")
+    layer.impl.sinks = sinks
+    impl = make_sparse(layer, info, Policy(scale_factors={"decode": 1e-10, "prefill": 1e-10}, stats_interval_s=0),
+                       WorkerStats())
+    spec = impl._sa_spec
+    assert (spec.window, spec.soft_cap, spec.sink_logits) == (window, soft_cap, sinks)
+    output = torch.zeros_like(query)
+    impl.forward(layer, query, key, value, kv_cache, md, output)
+    assert layer.impl.forward_calls == 0 and len(kernel_calls) >= 1
+    n = md.num_actual_tokens
+    want = featured_reference(query[:n], kv_cache, md, window, soft_cap, sinks)
+    torch.testing.assert_close(output[:n].double(), want, rtol=1e-5, atol=1e-5)
+    assert (output[:n] - dense(query[:n], kv_cache, md)).abs().max() > 1e-2, "the features changed nothing"

@@ -76,7 +76,7 @@ def test_calib_data_dir_with_only_blank_lines(ckpt, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("line, expected", [
-    ('{"prompt": "x"', "invalid JSON"),
+    ('{"prompt": "x"', "is not valid JSON"),
     ('{"prompt": "x", "prompt_token_ids": [1, 2]}', 'needs exactly one of "prompt" or "prompt_token_ids" (found both)'),
     ('{"prompt_token_ids": [1, -2]}', '"prompt_token_ids" must be a non-empty list of non-negative integers'),
     ("42", "expected a JSON object or string, got int"),
@@ -154,7 +154,7 @@ def test_output_naming_the_prompts_file_is_refused(ckpt, tmp_path, capsys):
 def test_output_replacing_another_checkpoint_file_is_refused(ckpt, capsys):
     (ckpt / "tokenizer.json").write_text('{"version": "1.0"}')
     code, msg = run(capsys, ckpt, "--output", ckpt / "tokenizer.json")
-    assert code == 2 and "is not a calibration report" in msg
+    assert code == 2 and "is inside the checkpoint" in msg and "never creates or replaces a file of the model" in msg
     assert (ckpt / "tokenizer.json").read_text() == '{"version": "1.0"}'
 
 
@@ -333,12 +333,13 @@ def test_relative_output_resolving_to_the_qwen_dual_chunk_file_is_refused(ckpt, 
     assert sorted(p.name for p in ckpt.iterdir()) == ["config.json"]
 
 
-def test_default_output_inside_the_checkpoint_passes_the_output_checks(ckpt, capsys, monkeypatch):
-    """Run from inside the checkpoint with the default --output: no collision with a file
-    the model loads, so the run gets past the output checks to the next one (here a bad length)."""
+def test_default_output_inside_the_checkpoint_is_refused(ckpt, capsys, monkeypatch):
+    """Run from inside the checkpoint with the default --output: refused like every path in
+    the checkpoint tree (issue 19: calibrate creates no file of the model), with the fix."""
     monkeypatch.chdir(ckpt)
-    code, msg = run(capsys, ckpt, "--max_model_len", 0)
-    assert code == 2 and "--max_model_len 0 must be a positive number of tokens" in msg, msg
+    code, msg = run(capsys, ckpt, "--decode_tokens", 4)
+    assert code == 2 and "--output sparse_attn_calibration.json is inside the checkpoint" in msg, msg
+    assert f"Fix: pass a new file outside the checkpoint, e.g. --output {ckpt.parent / 'ckpt-sparse_attn_calibration.json'}" in msg
     assert sorted(p.name for p in ckpt.iterdir()) == ["config.json"]
 
 

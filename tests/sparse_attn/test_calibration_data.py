@@ -201,7 +201,7 @@ def test_load_json_list(tmp_path):
 
 
 BAD_JSONL = [
-    ("malformed_json", '{"prompt": "ok"}\n{"prompt": \n', ":2", "invalid JSON"),
+    ("malformed_json", '{"prompt": "ok"}\n{"prompt": \n', ":2", "is not valid JSON"),
     ("both_keys", '{"prompt": "a", "prompt_token_ids": [1]}\n', ":1", "found both"),
     ("neither_key", '{"text": "a"}\n', ":1", "exactly one of"),
     ("empty_prompt", '{"prompt": "   "}\n', ":1", "non-empty string"),

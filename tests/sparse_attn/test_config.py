@@ -298,7 +298,7 @@ def test_load_from_checkpoint_errors(tmp_path):
     with pytest.raises(SparseAttentionConfigError, match="config.json"):
         load_from_checkpoint(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(SparseAttentionConfigError, match="invalid JSON at line 1"):
+    with pytest.raises(SparseAttentionConfigError, match=r"config\.json: is not valid JSON \(line 1"):
         load_from_checkpoint(tmp_path)
     bad = copy.deepcopy(CANONICAL)
     bad["config_groups"]["group_0"]["threshold_scale_factor"]["prefill"]["a"] = -1
@@ -320,18 +320,30 @@ FOREIGN_CASES = [
     ("number", 16),
     ("bool", True),
     ("empty_object", {}),
-    ("config_groups_empty", {"config_groups": {}}),
-    ("config_groups_not_object", {"config_groups": ["group_0"]}),
     ("compressed_tensors_like_groups", {"config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4}}}}),
-    ("groups_are_not_objects", {"config_groups": {"group_0": "skip_softmax"}}),
 ]
+# ModelOpt metadata of the wrong shape (issue 19): still native, but a warning that says so, not "the model's own".
+WRONG_SHAPE_CASES = [
+    ("config_groups_empty", {"config_groups": {}}, "config_groups is an empty object"),
+    ("config_groups_not_object", {"config_groups": ["group_0"]}, "config_groups is a JSON list"),
+    ("groups_are_not_objects", {"config_groups": {"group_0": "skip_softmax"}}, "group group_0 is a JSON str"),
+    ("misspelt_config_groups", {"config_group": {"group_0": {"algorithm": "skip_softmax"}}}, "did you mean 'config_groups'"),
+]
+
+
+@pytest.mark.parametrize("section,seen", [c[1:] for c in WRONG_SHAPE_CASES], ids=[c[0] for c in WRONG_SHAPE_CASES])
+def test_modelopt_metadata_of_the_wrong_shape_is_named_as_such(section, seen):
+    reading = read_section(section, source="ckpt/config.json")
+    assert reading.config is None and not reading.ours and reading.present and reading.malformed
+    assert seen in reading.note and "looks like ModelOpt / TensorRT-LLM metadata of the wrong shape" in reading.note
+    assert "belongs to the model itself" not in reading.note and "leaves vLLM attention native" in reading.note
 
 
 @pytest.mark.parametrize("section", [c[1] for c in FOREIGN_CASES], ids=[c[0] for c in FOREIGN_CASES])
 def test_sections_of_another_shape_are_not_ours_and_never_raise(section):
     assert not is_modelopt_section(section)
     reading = read_section(section, source="ckpt/config.json")
-    assert reading.config is None and not reading.ours and reading.present
+    assert reading.config is None and not reading.ours and reading.present and not reading.malformed
     assert "not ModelOpt / TensorRT-LLM skip-softmax metadata" in reading.note
     assert "leaves vLLM attention native" in reading.note
 

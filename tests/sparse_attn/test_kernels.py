@@ -15,7 +15,7 @@ import torch
 from sparse_attn.kernels import (SPLIT_K, TILE_K, TILE_Q, BatchMeta, LayerSpec, paged_attention,
                                  paged_attention_counts)
 
-from .kernel_reference import add_sink, gather_seq, make_batch, reference  # noqa: F401  (re-exported)
+from .kernel_reference import add_sink_token, gather_seq, make_batch, reference  # noqa: F401  (re-exported)
 
 
 # --------------------------------------------------------------------------- cases
@@ -58,7 +58,7 @@ def test_dense_gqa_ratios(gqa):
 
 def test_non_causal_matches_reference():
     batch = make_batch([300, 70], [100, 70], 4, 2, 16, 16)
-    ref, sk, vis, _ = reference(batch, 0.25, lam=0.3, causal=False)
+    ref, sk, vis, _ = reference(batch, LayerSpec(0.25, causal=False), lam=0.3)
     out, sk2, vis2 = _run(batch, scale=0.25, threshold=0.3, causal=False, return_counts=True)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
     assert sk2.tolist() == sk.tolist() and vis2.tolist() == vis.tolist()
@@ -73,7 +73,7 @@ def test_sparse_matches_bruteforce(case, lam, sink):
     kv_lens, q_lens, hq, hkv, d, page = CASES[case]
     batch = make_batch(kv_lens, q_lens, hq, hkv, d, page, layout="dim_major_k", seed=3)
     if sink:
-        batch = add_sink(batch)
+        batch = add_sink_token(batch)
     scale = 2.0 * d ** -0.5  # peakier scores so that tiles get skipped
     ref, skipped, visited, _ = reference(batch, scale, lam=lam)
     out, sk, vis = _run(batch, scale=scale, threshold=lam, return_counts=True)
@@ -91,7 +91,7 @@ def test_sparse_actually_skips():
 
 def test_counting_mode_matches_bruteforce_and_serving():
     kv_lens, q_lens, hq, hkv, d, page = CASES["mixed-ragged-gqa2-page16"]
-    batch = add_sink(make_batch(kv_lens, q_lens, hq, hkv, d, page, seed=7))
+    batch = add_sink_token(make_batch(kv_lens, q_lens, hq, hkv, d, page, seed=7))
     scale = 2.0 * d ** -0.5
     lams = [0.0, 1e-4, 1e-2, 0.1, 0.5, 1.0, 3.0]
     ref, _, visited, per_thr = reference(batch, scale, thresholds=lams)
@@ -106,7 +106,7 @@ def test_counting_mode_matches_bruteforce_and_serving():
 
 
 def test_error_grows_monotonically_with_lambda():
-    batch = add_sink(make_batch([900, 400], [130, 1], 4, 2, 32, 16, seed=11), 2.0)
+    batch = add_sink_token(make_batch([900, 400], [130, 1], 4, 2, 32, 16, seed=11), 2.0)
     scale = 1.5 * 32 ** -0.5
     dense = _run(batch, scale=scale).double()
     errs, skips = [], []
@@ -261,7 +261,7 @@ PER_SEQ_CASES = {
 @pytest.mark.parametrize("case", list(PER_SEQ_CASES), ids=list(PER_SEQ_CASES))
 def test_per_sequence_lambda_equals_each_sequence_alone(case, as_tensor):
     kv_lens, q_lens, hq, hkv, d, page, lams = PER_SEQ_CASES[case]
-    batch = add_sink(make_batch(kv_lens, q_lens, hq, hkv, d, page, layout="dim_major_k", seed=13))
+    batch = add_sink_token(make_batch(kv_lens, q_lens, hq, hkv, d, page, layout="dim_major_k", seed=13))
     scale = 2.0 * d ** -0.5
     thr = torch.tensor(lams) if as_tensor else lams
     out, sk, vis = _run(batch, scale=scale, threshold=thr, return_counts=True)
@@ -286,7 +286,7 @@ def test_per_sequence_lambda_equals_each_sequence_alone(case, as_tensor):
 
 
 def test_per_sequence_zero_lambda_is_dense_for_that_sequence():
-    batch = add_sink(make_batch([700, 700], [1, 1], 4, 1, 16, 16, seed=5))
+    batch = add_sink_token(make_batch([700, 700], [1, 1], 4, 1, 16, 16, seed=5))
     out, sk, _ = _run(batch, scale=1.0, threshold=[0.0, 0.5], return_counts=True)
     dense = _run(batch, scale=1.0)
     # Sequence 0 is computed densely (up to fp32 summation order: its chunk shares the
@@ -300,7 +300,7 @@ def test_per_sequence_zero_lambda_is_dense_for_that_sequence():
 
 def test_counting_mode_per_sequence_candidates():
     kv_lens, q_lens, hq, hkv, d, page, _ = PER_SEQ_CASES["mixed"]
-    batch = add_sink(make_batch(kv_lens, q_lens, hq, hkv, d, page, seed=7))
+    batch = add_sink_token(make_batch(kv_lens, q_lens, hq, hkv, d, page, seed=7))
     scale = 2.0 * d ** -0.5
     n_seqs = len(kv_lens)
     base = torch.tensor([0.0, 1e-3, 0.05, 0.3, 1.0])
@@ -355,7 +355,7 @@ SPLIT_CASES = {
 @pytest.mark.parametrize("case", list(SPLIT_CASES), ids=list(SPLIT_CASES))
 def test_split_rule_matches_bruteforce_and_counting(case):
     kv_lens, q_lens, hq, hkv, d, page, split_k = SPLIT_CASES[case]
-    batch = add_sink(make_batch(kv_lens, q_lens, hq, hkv, d, page, layout="dim_major_k", seed=21))
+    batch = add_sink_token(make_batch(kv_lens, q_lens, hq, hkv, d, page, layout="dim_major_k", seed=21))
     scale = 2.0 * d ** -0.5
     rule = {} if split_k is None else {"split_k": split_k}
     lams = [0.0, 1e-3, 0.05, 0.3]
@@ -377,7 +377,7 @@ def test_split_boundaries_change_counts():
     """The split is part of the rule: a later split's running max holds tile 0 and its own
     tiles only, a subset of what one split spanning the sequence holds, so a long decode
     never skips more tiles with splits (per head), and here skips fewer in total."""
-    batch = add_sink(make_batch([SPLIT_K * 3], [1], 4, 1, 16, 16, seed=5))
+    batch = add_sink_token(make_batch([SPLIT_K * 3], [1], 4, 1, 16, 16, seed=5))
     _, sk_split, vis = _run(batch, scale=1.0, threshold=0.5, return_counts=True)
     _, sk_one, vis_one = _run(batch, scale=1.0, threshold=0.5, return_counts=True, split_k=SPLIT_K * 4)
     assert vis.tolist() == vis_one.tolist()
@@ -390,7 +390,7 @@ def test_later_splits_are_seeded_with_tile_0():
     """The first tile of a later split is skippable, against KV tile 0's maxima: with an
     attention sink at position 0 and a split per tile (every tile opens a split) most
     tiles after tile 0 are still skipped; a running max restarted at -inf would skip none."""
-    batch = add_sink(make_batch([1000, 700], [1, 1], 4, 2, 16, 16, seed=12), strength=4.0)
+    batch = add_sink_token(make_batch([1000, 700], [1, 1], 4, 2, 16, 16, seed=12), strength=4.0)
     _, sk, vis = _run(batch, scale=1.0, threshold=0.5, return_counts=True, split_k=TILE_K)
     ref = reference(batch, 1.0, lam=0.5, split_k=TILE_K)
     assert sk.tolist() == ref[1].tolist() and vis.tolist() == ref[2].tolist()
@@ -412,7 +412,7 @@ def test_bad_split_raises(split_k):
 def test_unchecked_call_on_cpu_equals_checked():
     """check=False on CPU (the torch implementation reads host tensors: no sync) gives the
     checked call's output and counts, for a float and a per-sequence tensor lambda."""
-    batch = add_sink(make_batch([300, 5, 700], [1, 5, 1], 4, 2, 16, 16, seed=17))
+    batch = add_sink_token(make_batch([300, 5, 700], [1, 5, 1], 4, 2, 16, 16, seed=17))
     for thr in (0.3, torch.tensor([0.3, 0.0, 0.5])):
         a = _run(batch, scale=1.0, threshold=thr, return_counts=True)
         b = _run(dataclasses.replace(batch, max_query_len=5), scale=1.0, threshold=thr, return_counts=True,
@@ -432,7 +432,7 @@ def test_split_seed_carried_across_torch_chunks(tiles_per_chunk, monkeypatch):
 
     # Decode [700] with 4 query heads on 1 KV head: 4 score rows, 64 columns per tile.
     monkeypatch.setattr(torch_impl, "_SCORE_BUDGET", 4 * TILE_K * tiles_per_chunk)
-    batch = add_sink(make_batch([700, 400], [1, 200], 4, 1, 16, 16, seed=3), strength=1.0)
+    batch = add_sink_token(make_batch([700, 400], [1, 200], 4, 1, 16, 16, seed=3), strength=1.0)
     lams = [0.0, 0.05, 0.5]
     ref_out, _, ref_vis, per_thr = reference(batch, 1.0, thresholds=lams, split_k=128)
     out, skipped, vis = paged_attention_counts(batch, LayerSpec(1.0), lams, impl="torch", split_k=128)

@@ -83,21 +83,52 @@ def test_uniform_decode_prepares_without_host_reads(recorder, num_seqs):
     for c in (skipped, visited):
         assert c.device.type == "meta" and c.dtype == torch.int64 and c.shape == (HQ,)
     (plan,) = recorder.plans
-    assert plan.phase == "decode" and len(plan.calls) == 2
-    attn, merge = (_args(c) for c in plan.calls)
+    attn = _args(plan.calls[0])
+    heads = attn["HEADS"]
+    assert heads == HQ // HKV                                           # the whole GQA group in one program
     n_splits = math.ceil(MAX_BLOCKS * PAGE / SPLIT_K)                  # KV upper bound from the table width
-    hpp = attn["HPP"]
-    assert hpp == HQ // HKV                                             # the whole GQA group in one program
-    assert plan.calls[0].grid == (num_seqs, HKV * (HQ // HKV) // hpp, n_splits)
-    assert attn["SPLIT"] and attn["COUNT"] and attn["BLOCK_N"] == 64 and attn["HPP"] * attn["BLOCK_M"] >= 16
+    kv_progs = plan.calls[0].grid[2]
+    # Bounded split-KV: at most one program per split and per MAX_KV_PROGRAMS, fewer as the batch grows.
+    assert 1 <= kv_progs <= min(n_splits, triton_impl.MAX_KV_PROGRAMS)
+    assert num_seqs * HKV * kv_progs <= max(triton_impl.TARGET_PROGRAMS, num_seqs * HKV)
+    assert plan.phase == "decode" and plan.calls[0].grid[:2] == (num_seqs, HKV * (HQ // HKV) // heads)
+    assert attn["COUNT"] and attn["BLOCK_N"] == 64 and attn["HEADS"] * attn["BLOCK_M"] >= 16
     assert attn["TILE_SEQ"].shape == (num_seqs,) and attn["TILE_SEQ"].dtype == torch.int32
-    assert attn["lam"].shape == (num_seqs,) and attn["lam"].dtype == torch.float32
-    assert attn["O_PART"].shape == (num_seqs, n_splits, HQ, 128) and attn["O_PART"].dtype == torch.float32
-    assert attn["SKIP_CNT"].shape[:3] == (num_seqs, n_splits, HQ) and attn["SKIP_CNT"].dtype == torch.int32
+    assert attn["LAM"].shape == (num_seqs,) and attn["LAM"].dtype == torch.float32
+    assert attn["SKIP_CNT"].shape[:3] == (num_seqs, kv_progs, HQ) and attn["SKIP_CNT"].dtype == torch.int32
     assert attn["K"].stride() == k.stride() and attn["BT"].dtype == torch.int32
-    assert plan.calls[1].grid == (num_seqs, HQ) and merge["BLOCK_S"] >= n_splits and merge["O"] is out
+    if kv_progs > 1:
+        assert attn["SPLIT"] and len(plan.calls) == 2
+        assert attn["O_PART"].shape == (num_seqs, kv_progs, HQ, 128) and attn["O_PART"].dtype == torch.float32
+        merge = _args(plan.calls[1])
+        assert plan.calls[1].grid == (num_seqs, HQ) and merge["BLOCK_S"] >= kv_progs and merge["O"] is out
+    else:                                       # one program per sequence writes the output itself
+        assert not attn["SPLIT"] and len(plan.calls) == 1 and attn["O"] is out
     cfg = triton_impl.tile_config(D, torch.bfloat16, "decode")
     assert (attn["num_warps"], attn["num_stages"]) == (cfg.num_warps, cfg.num_stages)
+
+
+@pytest.mark.parametrize("num_seqs", [1, 8, 64, 512], ids=lambda n: f"batch{n}")
+def test_capture_scratch_memory_does_not_grow_with_the_block_table(recorder, num_seqs):
+    """Issue 18 item 2: a captured decode's device scratch (fp32 partials, counts,
+    per-program arrays) is sized by the batch, never by the block table's width
+    (``max_model_len``).  Before the bound, batch 512 at 128k tokens (8192 columns of 16)
+    allocated ``S * splits * Hq * D * 4`` = 512 * 128 * 32 * 128 * 4 B = 1 GiB of partials."""
+    sizes = {}
+    for max_tokens in (8192, 131072, 1 << 20):
+        batch, lam = _flashinfer_batch(num_seqs, 1, max_query_len=1)
+        bt = torch.empty(num_seqs, max_tokens // PAGE, dtype=torch.int32, device="meta")
+        paged_attention(dataclasses.replace(batch, block_table=bt), LayerSpec(D ** -0.5), threshold=lam,
+                        return_counts=True, impl="triton", check=False)
+        sizes[max_tokens] = recorder.plans[-1].scratch_bytes
+    # Past the per-sequence program cap (64 splits of 1024 = 64k tokens) the width changes nothing ...
+    assert sizes[131072] == sizes[1 << 20], sizes
+    # ... and the scratch stays within a per-sequence constant: at most MAX_KV_PROGRAMS
+    # programs' partials (fp32 accumulator + exp reference + row sum) and counts per head.
+    per_seq = triton_impl.MAX_KV_PROGRAMS * HQ * ((128 + 2) * 4 + (2 + 1) * 4) + 64
+    assert max(sizes.values()) <= num_seqs * per_seq, sizes
+    if num_seqs == 512:
+        assert sizes[131072] < 1 << 20, sizes              # was 1 GiB
 
 
 def test_mixed_batch_prepares_without_host_reads(recorder):

@@ -27,7 +27,7 @@ from compat import envs
 from sparse_attn.kernels import (SPLIT_K, TILE_K, TILE_Q, BatchMeta, LayerSpec, PagedBatch, cpu_build, cpu_impl,
                                  paged_attention, paged_attention_counts)
 
-from .kernel_reference import add_sink, gather_seq, make_batch, reference
+from .kernel_reference import add_sink_token, make_batch, reference
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -117,7 +117,7 @@ def test_dense_matches_float64_reference(case, layout, dtype):
 def test_half_precision_output_is_the_rounded_fp32_result(layout, dtype):
     """bf16/fp16 inputs are read exactly (upcast) and accumulated in fp32: the output is
     torch's round-to-nearest-even of the fp32 kernel on the upcast inputs, bit for bit."""
-    batch = add_sink(make_batch([290, 40], [100, 1], 6, 2, 32, 32, layout=layout, dtype=DTYPES[dtype], seed=4))
+    batch = add_sink_token(make_batch([290, 40], [100, 1], 6, 2, 32, 32, layout=layout, dtype=DTYPES[dtype], seed=4))
     up = dataclasses.replace(batch, query=batch.query.float(), key_cache=batch.key_cache.float(),
                              value_cache=batch.value_cache.float())
     for lam in (0.0, 0.3):
@@ -132,7 +132,7 @@ def test_half_precision_output_is_the_rounded_fp32_result(layout, dtype):
                                   "prefill-gqa3-page128-d64", "mixed-gqa3-page64-d24"])
 def test_sparse_matches_bruteforce(case, layout, lam):
     kv_lens, q_lens, hq, hkv, d, page = CASES[case]
-    batch = add_sink(make_batch(kv_lens, q_lens, hq, hkv, d, page, layout=layout, seed=3))
+    batch = add_sink_token(make_batch(kv_lens, q_lens, hq, hkv, d, page, layout=layout, seed=3))
     scale = 2.0 * d ** -0.5  # peakier scores so that tiles get skipped
     ref, skipped, visited, _ = cached_reference((case, "sink-3"), batch, scale, lam=lam)
     out, sk, vis = _run(batch, scale, threshold=lam, return_counts=True)
@@ -145,7 +145,7 @@ def test_sparse_matches_bruteforce(case, layout, lam):
 @pytest.mark.parametrize("case", ["mixed-ragged-gqa2-page16", "prefill-gqa3-page128-d64", "decode-ragged-mqa8-page16"])
 def test_counting_mode_equals_reference_and_serving_skips(case, layout):
     kv_lens, q_lens, hq, hkv, d, page = CASES[case]
-    batch = add_sink(make_batch(kv_lens, q_lens, hq, hkv, d, page, layout=layout, seed=7))
+    batch = add_sink_token(make_batch(kv_lens, q_lens, hq, hkv, d, page, layout=layout, seed=7))
     scale = 2.0 * d ** -0.5
     lams = [0.0, 1e-4, 1e-2, 0.1, 0.5, 1.0, 3.0]
     ref, _, visited, per_thr = cached_reference((case, "sink-7"), batch, scale, thresholds=lams)
@@ -171,7 +171,7 @@ SPLIT_CASES = {
 @pytest.mark.parametrize("case", list(SPLIT_CASES))
 def test_split_rule_matches_bruteforce_torch_and_counting(case):
     kv_lens, q_lens, hq, hkv, d, page, split_k = SPLIT_CASES[case]
-    batch = add_sink(make_batch(kv_lens, q_lens, hq, hkv, d, page, layout="dim_major_k", seed=21))
+    batch = add_sink_token(make_batch(kv_lens, q_lens, hq, hkv, d, page, layout="dim_major_k", seed=21))
     scale = 2.0 * d ** -0.5
     rule = {} if split_k is None else {"split_k": split_k}
     lams = [0.0, 1e-3, 0.05, 0.3]
@@ -201,7 +201,7 @@ PER_SEQ = {
 @pytest.mark.parametrize("case", list(PER_SEQ))
 def test_per_sequence_lambdas_match_reference_and_torch(case, as_tensor):
     kv_lens, q_lens, hq, hkv, d, page, lams = PER_SEQ[case]
-    batch = add_sink(make_batch(kv_lens, q_lens, hq, hkv, d, page, layout="cpu_packed" if page % 16 == 0 else "contiguous",
+    batch = add_sink_token(make_batch(kv_lens, q_lens, hq, hkv, d, page, layout="cpu_packed" if page % 16 == 0 else "contiguous",
                                 seed=13))
     scale = 2.0 * d ** -0.5
     thr = torch.tensor(lams) if as_tensor else lams
@@ -218,8 +218,8 @@ def test_per_sequence_lambdas_match_reference_and_torch(case, as_tensor):
 
 
 def test_non_causal_matches_reference():
-    batch = add_sink(make_batch([300, 70], [100, 70], 6, 2, 16, 16, layout="cpu_packed"))
-    ref, sk, vis, _ = reference(batch, 0.5, lam=0.3, causal=False)
+    batch = add_sink_token(make_batch([300, 70], [100, 70], 6, 2, 16, 16, layout="cpu_packed"))
+    ref, sk, vis, _ = reference(batch, LayerSpec(0.5, causal=False), lam=0.3)
     out, sk2, vis2 = _run(batch, 0.5, threshold=0.3, causal=False, return_counts=True)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
     assert sk2.tolist() == sk.tolist() and vis2.tolist() == vis.tolist() and int(sk.sum()) > 0
@@ -227,7 +227,7 @@ def test_non_causal_matches_reference():
 
 def test_threads_do_not_change_results():
     """Items are independent and their accumulation order is fixed: 1 and 2 threads agree bit for bit."""
-    batch = add_sink(make_batch([700, 5, 300, 1200], [1, 5, 300, 1], 9, 3, 64, 128, layout="cpu_packed", seed=9))
+    batch = add_sink_token(make_batch([700, 5, 300, 1200], [1, 5, 300, 1], 9, 3, 64, 128, layout="cpu_packed", seed=9))
     n = torch.get_num_threads()
     try:
         results = []
@@ -242,7 +242,7 @@ def test_threads_do_not_change_results():
 
 def test_strided_query_and_out_views():
     """Query and output may be views with any strides (a slice of a fused QKV buffer)."""
-    batch = add_sink(make_batch([300, 64], [70, 1], 4, 2, 32, 16, layout="cpu_packed", seed=2))
+    batch = add_sink_token(make_batch([300, 64], [70, 1], 4, 2, 32, 16, layout="cpu_packed", seed=2))
     q = batch.query
     fused = torch.full((q.shape[0], q.shape[1], 3 * q.shape[2]), float("nan"))
     fused[..., 32:64] = q
@@ -265,7 +265,7 @@ def test_empty_and_zero_length_sequences():
 
 
 def test_int64_block_table_and_seq_tensors():
-    batch = add_sink(make_batch([300, 40], [1, 40], 4, 2, 16, 16, seed=6))
+    batch = add_sink_token(make_batch([300, 40], [1, 40], 4, 2, 16, 16, seed=6))
     long_batch = dataclasses.replace(batch, block_table=batch.block_table.long(), seq_lens=batch.seq_lens.long(),
                                      query_start_loc=batch.query_start_loc.long())
     a = _run(batch, 1.0, threshold=0.3, return_counts=True)
@@ -274,7 +274,7 @@ def test_int64_block_table_and_seq_tensors():
 
 
 def test_unchecked_call_equals_checked():
-    batch = add_sink(make_batch([300, 5, 700], [1, 5, 1], 6, 2, 32, 128, layout="cpu_packed", seed=17))
+    batch = add_sink_token(make_batch([300, 5, 700], [1, 5, 1], 6, 2, 32, 128, layout="cpu_packed", seed=17))
     for thr in (0.3, torch.tensor([0.3, 0.0, 0.5])):
         a = _run(batch, 1.0, threshold=thr, return_counts=True)
         b = _run(dataclasses.replace(batch, max_query_len=5), 1.0, threshold=thr, return_counts=True, check=False)
@@ -336,7 +336,7 @@ def test_generic_build_matches_reference(generic_build, monkeypatch, case, dtype
     monkeypatch.setitem(cpu_impl._state, "lib", lib)
     kv_lens, q_lens, hq, hkv, d, page = CASES[case]
     layout = "cpu_packed" if page % 16 == 0 else "packed_kv"
-    batch = add_sink(make_batch(kv_lens, q_lens, hq, hkv, d, page, layout=layout, dtype=DTYPES[dtype], seed=3))
+    batch = add_sink_token(make_batch(kv_lens, q_lens, hq, hkv, d, page, layout=layout, dtype=DTYPES[dtype], seed=3))
     scale = 2.0 * d ** -0.5
     ref, skipped, visited, _ = cached_reference((case, dtype, "sink-3"), batch, scale, lam=0.9)
     out, sk, vis = _run(batch, scale, threshold=0.9, return_counts=True)
@@ -366,7 +366,7 @@ def fresh_state(monkeypatch, tmp_path):
 
 def test_without_a_compiler_the_torch_kernel_serves_with_one_warning(fresh_state, monkeypatch, caplog):
     monkeypatch.setenv("CXX", "/nowhere/c++")
-    batch = add_sink(make_batch([300, 40], [1, 40], 4, 2, 16, 16, seed=3))
+    batch = add_sink_token(make_batch([300, 40], [1, 40], 4, 2, 16, 16, seed=3))
     with caplog.at_level(logging.WARNING, logger="sparse_attn"):
         outs = [_run(batch, 1.0, impl="auto", threshold=0.3, return_counts=True) for _ in range(3)]
         assert cpu_impl.cpu_kernel() == "torch"
@@ -437,63 +437,10 @@ def test_cache_key_follows_source_isa_and_profile(monkeypatch, tmp_path):
 
 # --------------------------------------------------------------------------- layer features
 
-def feature_reference(batch, scale, lam, window=None, cap=None, sinks=None, k_scale=1.0, v_scale=1.0, split_k=SPLIT_K):
-    """float64 attention with sliding window, soft-cap, sink logits and dequantisation
-    scales, and the skip rule's anchor (the first tile a query tile visits) and votes
-    (a row that sees nothing of a tile does not vote; with nothing seen before it votes
-    to keep), written from the rule text alone.  Returns ``(out, skipped [Hq], visited [Hq])``."""
-    q, k, v, bt, sl, qsl = (batch.query, batch.key_cache, batch.value_cache, batch.block_table, batch.seq_lens,
-                            batch.query_start_loc)
-    hq, g = q.shape[1], q.shape[1] // k.shape[2]
-    out = torch.zeros(q.shape, dtype=torch.float64)
-    skipped, visited = torch.zeros(hq, dtype=torch.int64), torch.zeros(hq, dtype=torch.int64)
-    for s in range(len(sl)):
-        n, a, b = int(sl[s]), int(qsl[s]), int(qsl[s + 1])
-        if b == a:
-            continue
-        keys, vals = gather_seq(k, bt, s, n), gather_seq(v, bt, s, n) * v_scale
-        qpos, cols = torch.arange(n - (b - a), n), torch.arange(n)
-        allowed = cols[None] <= qpos[:, None]
-        if window:
-            allowed &= cols[None] >= qpos[:, None] - window + 1
-        for h in range(hq):
-            sc = q[a:b, h].double() @ keys[:, h // g].T * (scale * k_scale)
-            if cap:
-                sc = cap * torch.tanh(sc / cap)
-            sc = sc.masked_fill(~allowed, float("-inf"))
-            keep = torch.zeros_like(allowed)
-            for r0 in range(0, b - a, TILE_Q):
-                r1 = min(b - a, r0 + TILE_Q)
-                seen = allowed[r0:r1].nonzero()[:, 1]
-                first, last = int(seen.min()) // TILE_K, int(seen.max()) // TILE_K
-                m = torch.full((r1 - r0,), float("-inf"), dtype=torch.float64)
-                seed = sc[r0:r1, first * TILE_K:(first + 1) * TILE_K].amax(1)
-                for t in range(first, last + 1):
-                    tmax = sc[r0:r1, t * TILE_K:(t + 1) * TILE_K].amax(1)
-                    visited[h] += 1
-                    if t > first and (t * TILE_K) % split_k == 0:
-                        m = seed.clone()
-                    e = torch.where(tmax == float("-inf"), 0.0,
-                                    torch.where(m == float("-inf"), math.inf, (tmax - m).exp()))
-                    if t > first and e.max().item() < lam:
-                        skipped[h] += 1
-                    else:
-                        keep[r0:r1, t * TILE_K:(t + 1) * TILE_K] = True
-                    m = torch.maximum(m, tmax)
-            x = sc.masked_fill(~keep, float("-inf"))
-            mx = x.amax(1, keepdim=True)
-            if sinks is not None:
-                mx = torch.maximum(mx, torch.tensor(float(sinks[h]), dtype=torch.float64))
-            p = (x - mx).exp()
-            den = p.sum(1) + ((float(sinks[h]) - mx[:, 0]).exp() if sinks is not None else 0.0)
-            out[a:b, h] = (p @ vals[:, h // g]) / den[:, None]
-    return out, skipped, visited
-
-
 FEATURES = {
-    "window100": dict(sliding_window=100),
-    "window160-cap20-sinks": dict(sliding_window=160, logits_soft_cap=20.0, sinks=True),
-    "cap3": dict(logits_soft_cap=3.0),
+    "window100": dict(window=100),
+    "window160-cap20-sinks": dict(window=160, soft_cap=20.0, sinks=True),
+    "cap3": dict(soft_cap=3.0),
     "sinks": dict(sinks=True),
 }
 
@@ -510,7 +457,7 @@ FEATURE_CASES = {
 @pytest.mark.parametrize("case", list(FEATURE_CASES))
 def test_layer_features_match_float64(case, feature, kv_dtype):
     kv_lens, q_lens, hq, hkv, d, page = FEATURE_CASES[case]
-    batch = add_sink(make_batch(kv_lens, q_lens, hq, hkv, d, page, layout="cpu_packed", seed=1))
+    batch = add_sink_token(make_batch(kv_lens, q_lens, hq, hkv, d, page, layout="cpu_packed", seed=1))
     k_scale = v_scale = 1.0
     if kv_dtype is not None:  # the cache holds x / scale in fp8, as vLLM's writer stores it
         k_scale, v_scale = 0.05, 0.02
@@ -518,15 +465,13 @@ def test_layer_features_match_float64(case, feature, kv_dtype):
                                     value_cache=(batch.value_cache.float() / v_scale).to(kv_dtype))
     kw = dict(FEATURES[feature])
     sinks = torch.randn(hq, generator=torch.Generator().manual_seed(5)) * 2 if kw.pop("sinks", False) else None
+    spec = LayerSpec(0.5, sink_logits=sinks, k_scale=k_scale, v_scale=v_scale, **kw)
     meta = BatchMeta.from_host(batch.seq_lens, batch.query_start_loc)
     for lam in (0.0, 0.1, 0.8):
         lams = torch.full((len(kv_lens),), lam)
-        out, sk, vis = cpu_impl.forward(batch, LayerSpec(0.5), meta, threshold=lams, count_thresholds=lams[None],
-                                        out=torch.empty_like(batch.query), sinks=sinks, k_scale=k_scale,
-                                        v_scale=v_scale, **kw)
-        ref, ref_sk, ref_vis = feature_reference(batch, 0.5, lam, window=kw.get("sliding_window"),
-                                                 cap=kw.get("logits_soft_cap"), sinks=sinks, k_scale=k_scale,
-                                                 v_scale=v_scale)
+        out, sk, vis = cpu_impl.forward(batch, spec, meta, threshold=lams, count_thresholds=lams[None],
+                                        out=torch.empty_like(batch.query))
+        ref, ref_sk, ref_vis, _ = reference(batch, spec, lam)
         torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
         assert sk[0].tolist() == ref_sk.tolist() and vis.tolist() == ref_vis.tolist()
     assert int(ref_sk.sum()) > 0

@@ -27,13 +27,22 @@ def test_gpu_check_dry_run(tmp_path):
     assert {r["dtype"] for r in res["kernels"]} == {"fp32", "bf16", "fp16"}
     assert all(r["ok"] and r["checks"]["counts_equal_serving_skips"] for r in res["kernels"])
     assert any(sum(r["skipped_per_lambda"]) > 0 for r in res["kernels"])
-    assert res["graph"]["skipped"] and "dry-run" in res["graph"]["reason"]
+    assert set(res["graph"]) == {"plain", "window-sinks-fp8"}
+    assert all(g["skipped"] and "dry-run" in g["reason"] for g in res["graph"].values())
+    assert any(r["features"] for r in res["kernels"])
+    # Captured decode scratch per batch size at a 128k-token table: bounded, where one
+    # program per split took S * 128 * Hq * (D + 2) * 4 bytes of partials.
+    mem = res["capture_memory"]
+    assert mem["ok"] and [r["batch"] for r in mem["rows"]] == [1, 8, 64, 256, 512]
+    big = mem["rows"][-1]
+    assert big["scratch_bytes"] < big["unbounded_partials_bytes"] / 100
     bench = res["bench"]
     assert {r["case"] for r in bench} == {"prefill-tiny", "decode-tiny-b2"}
     for r in bench:
         assert r["ms"] > 0 and r["ms_sdpa"] > 0 and r["speedup"] > 0 and r["target"] in (0.0, 0.5, 0.7, 0.9)
     md = (tmp_path / "gpu-check.md").read_text()
     assert "Skipped: --dry-run" in md and "Overall: PASS" in md and "Issue-13 benchmark" in md
+    assert "Captured decode memory per batch size" in md
     for key in ("torch", "triton", "device"):
         assert res["environment"][key]
 

@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 from sparse_attn.kernels import LayerSpec, paged_attention, paged_attention_counts  # noqa: E402
 
-from .test_kernels import _seq_alone, add_sink, make_batch  # noqa: E402
+from .test_kernels import _seq_alone, add_sink_token, make_batch  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
     pytest.skip("needs TRITON_INTERPRET=1 or a GPU", allow_module_level=True)
@@ -40,7 +40,7 @@ def _both(batch, scale, causal=True, **kw):
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_triton_matches_torch(case):
     kv_lens, q_lens, hq, hkv, d, page, layout = CASES[case]
-    batch = add_sink(make_batch(kv_lens, q_lens, hq, hkv, d, page, layout=layout, seed=1))
+    batch = add_sink_token(make_batch(kv_lens, q_lens, hq, hkv, d, page, layout=layout, seed=1))
     scale = 2.0 * d ** -0.5
     dense_t, dense_c = _both(batch, scale=scale)
     assert not dense_t.isnan().any()
@@ -56,7 +56,7 @@ def test_triton_matches_torch(case):
 
 
 def test_triton_non_causal_and_bf16():
-    batch = add_sink(make_batch([300, 30], [40, 1], 2, 1, 16, 16, dtype=torch.bfloat16, seed=2), strength=5.0)
+    batch = add_sink_token(make_batch([300, 30], [40, 1], 2, 1, 16, 16, dtype=torch.bfloat16, seed=2), strength=5.0)
     (o_t, s_t, v_t), (o_c, s_c, v_c) = _both(batch, scale=0.5, threshold=0.3, causal=False, return_counts=True)
     assert o_t.dtype == torch.bfloat16
     torch.testing.assert_close(o_t.float(), o_c.float(), atol=2e-2, rtol=2e-2)
@@ -75,19 +75,20 @@ def test_threshold_is_a_runtime_argument():
     """lambda must not be a constexpr: a new value would otherwise compile a new kernel."""
     import inspect
 
-    from sparse_attn.kernels import triton_impl
+    from sparse_attn.kernels import triton_kernels
 
-    params = inspect.signature(triton_impl._paged_attn_kernel.fn).parameters
+    params = inspect.signature(triton_kernels.paged_attn_kernel.fn).parameters
 
     def constexpr(name):
         return "constexpr" in str(params[name].annotation)
 
     assert constexpr("CAUSAL") and constexpr("BLOCK_N")
-    assert not constexpr("lam") and not constexpr("THRESH") and not constexpr("scale")
+    assert not constexpr("LAM") and not constexpr("THRESH") and not constexpr("scale") and not constexpr("window")
+    assert not constexpr("soft_cap") and not constexpr("v_scale")
 
 
 def test_triton_per_sequence_lambda_equals_each_sequence_alone():
-    batch = add_sink(make_batch([150, 5, 70, 90], [70, 1, 70, 1], 4, 2, 16, 16, layout="dim_major_k", seed=4))
+    batch = add_sink_token(make_batch([150, 5, 70, 90], [70, 1, 70, 1], 4, 2, 16, 16, layout="dim_major_k", seed=4))
     scale = 2.0 * 16 ** -0.5
     lams = [0.5, 0.0, 0.05, 0.3]
     out, sk, vis = paged_attention(batch, LayerSpec(scale), threshold=torch.tensor(lams), impl="triton",

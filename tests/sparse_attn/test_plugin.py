@@ -70,7 +70,7 @@ POLICY = Policy(scale_factors={"prefill": 2.0, "decode": 2.0}, stats_interval_s=
 
 
 def test_install_replaces_what_it_can_and_says_why_the_rest_stays_native():
-    model = Model([Impl(), Impl(sliding_window=128), FinalImpl(), Impl()])
+    model = Model([Impl(), Impl(alibi_slopes=torch.ones(4)), FinalImpl(), Impl()])
     summary = plugin.install(model, None, POLICY, rank=1)
     impls = [layer.attn.impl for layer in model.layers]
     assert [isinstance(i, SparseAttentionMixin) for i in impls] == [True, False, False, True]
@@ -80,7 +80,7 @@ def test_install_replaces_what_it_can_and_says_why_the_rest_stays_native():
     (why_window, n1), (why_final, n2) = sorted(summary["native"].items())
     assert (n1, n2) == (1, 1)
     assert "cannot replace the attention impl" in why_window + why_final and "no subclasses" in why_window + why_final
-    assert "sliding window 128" in why_window + why_final
+    assert "ALiBi" in why_window + why_final
     snap = plugin.sparsity_stats()
     assert snap["install"] == summary and snap["layers_installed"] == 2 and snap["owner_classes"] == ["SelfAttn"]
 
@@ -88,16 +88,22 @@ def test_install_replaces_what_it_can_and_says_why_the_rest_stays_native():
 def test_strict_mode_refuses_layers_it_cannot_serve(monkeypatch):
     monkeypatch.setenv("SPARSE_ATTN_STRICT", "1")
     compat.reset_for_tests()
-    with pytest.raises(plugin.SparseAttentionStartupError, match="sliding window 128"):
-        plugin.install(Model([Impl(), Impl(sliding_window=128)]), None, POLICY)
+    with pytest.raises(plugin.SparseAttentionStartupError, match="KV sharing"):
+        plugin.install(Model([Impl(), Impl(kv_sharing_target_layer_name="layers.0.attn")]), None, POLICY)
 
 
 def test_summary_groups_sparse_layers_by_the_features_they_use():
-    model = Model([Impl(), Impl(kv_cache_dtype="bfloat16"), Impl(kv_cache_dtype="bfloat16"), Impl(sliding_window=(127, 0))])
+    model = Model([Impl(), Impl(kv_cache_dtype="bfloat16"), Impl(kv_cache_dtype="bfloat16"), Impl(sliding_window=(127, 0)),
+                   Impl(sliding_window=512, logits_soft_cap=50.0, sinks=torch.zeros(4)),
+                   Impl(alibi_slopes=torch.ones(4)), Impl(kv_cache_dtype="fp8")])
     summary = plugin.install(model, None, POLICY)
-    assert summary["installed"] == 3
-    assert summary["sparse_features"] == {"none": 1, "kv_cache_dtype=bfloat16": 2}
-    assert summary["native"] == {"sliding window 128": 1}
+    assert summary["installed"] == 5
+    assert summary["sparse_features"] == {
+        "none": 1, "kv_cache_dtype=bfloat16": 2, "sliding_window=128": 1,
+        "sliding_window=512, logits_soft_cap=50.0, has_sinks=True": 1}
+    # The kernels serve fp8 caches; compat has not verified CPU_ATTN's fp8 page interior (its
+    # fp8 op needs AVX-512/AMX), so that layer stays native with compat's reason.
+    assert summary["native"] == {"ALiBi": 1, "fp8 pages of the cpu-packed layout are not verified": 1}
     assert plugin.sparsity_stats()["install"]["sparse_features"] == summary["sparse_features"]
 
 
@@ -108,14 +114,14 @@ def _layer_with_backend(name):
 
 
 def test_every_reason_a_layer_stays_native_is_joined_in_one_place():
-    model = Model([Impl(num_heads=5), Impl(sliding_window=-7), Impl(logits_soft_cap=50.0, sinks=torch.zeros(4))])
+    model = Model([Impl(num_heads=5), Impl(sliding_window=-7), Impl(alibi_slopes=torch.ones(4), attn_type="encoder")])
     model.layers.append(_layer_with_backend("FOO_ATTN"))
     summary = plugin.install(model, None, POLICY)
     assert summary["installed"] == 0 and summary["total"] == 4
     assert summary["native"] == {
         "5 query heads are not a multiple of 2 KV heads": 1,
         "sliding_window -7 is a window spelling compat does not know": 1,
-        "logits soft-cap 50.0, attention sinks": 1,
+        "ALiBi, attention type encoder": 1,
         f"backend FOO_ATTN is not served (served: {', '.join(compat.probe().backends)})": 1,
     }
     assert not any(isinstance(layer.attn.impl, SparseAttentionMixin) for layer in model.layers)

@@ -100,8 +100,10 @@ def test_minimax_style_section_serves_natively_with_one_line(capsys, ckpt):
 
 
 def test_absent_section_says_native(capsys, ckpt):
-    code, out = serve(capsys, ckpt(None))
-    assert code == 0 and "has no sparse_attention_config; serving with native attention" in out
+    d = ckpt(None)
+    code, out = serve(capsys, d)
+    # the plugin's own wording (one start-up policy), after the command's prefix
+    assert code == 0 and f"sparse-attn serve: {d} has no sparse_attention_config in config.json; vLLM attention left native" in out
 
 
 def test_two_group_export_validates_and_warns_about_the_group_it_does_not_serve(capsys, ckpt):
