@@ -495,11 +495,15 @@ def env_row(repo: Path, env: str) -> tuple[str, dict[str, list]]:
     return key, row
 
 
-def readme_cells(row: dict[str, list]) -> list[str]:
-    sys.path.insert(0, str(REPO))
-    from tests.matrix.test_readme_table import render
-
-    return render({k: tuple(v) for k, v in row.items()})
+def readme_cells(repo: Path, env: str, row: dict[str, list]) -> list[str]:
+    """README cells of ``row``, rendered by tests/matrix/test_readme_table.py (the renderer the README
+    test checks against) in the tox env's python: that module imports compat, hence torch, which the
+    python running this tool need not have (the first from-scratch run of 0.30.0 died there)."""
+    py = repo / ".tox" / env / "bin" / "python"
+    code = ("import json, sys; from tests.matrix.test_readme_table import render; "
+            "print(json.dumps(render({k: tuple(v) for k, v in json.loads(sys.argv[1]).items()})))")
+    proc = run([py, "-c", code, json.dumps(row)], cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)}, quiet=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def changed_sources(old_wheel: Path | None, new_wheel: Path) -> list[tuple[str, str]]:
@@ -592,7 +596,7 @@ def add_release(args) -> int:
     tox(repo, "-e", env, "--notest")
     install_nodeps(repo, env, version, wheels)
     key, row = env_row(repo, env)
-    record_row(repo, key, row, version, replaces)
+    record_row(repo, env, key, row, version, replaces)
     py = repo / ".tox" / env / "bin" / "python"
     run([py, repo / "tests/matrix/tools/probe_release.py", "--facts", "--out", repo / EXPECTED_DIR / f"vllm-{version}.json"],
         cwd=repo, quiet=False)
@@ -646,13 +650,13 @@ def retire_matrix(repo: Path, old: str) -> None:
     readme.write_text(readme_set(readme.read_text(), old, None))
 
 
-def record_row(repo: Path, key: str, row: dict[str, list], version: str, replaces: str | None) -> None:
+def record_row(repo: Path, env: str, key: str, row: dict[str, list], version: str, replaces: str | None) -> None:
     proven = repo / PROVEN_PY
     proven.write_text(proven_set(proven.read_text(), key, row))
     print(f"  {PROVEN_PY}: {key} -> {row}")
     if key.startswith("vllm=="):
         readme = repo / README
-        readme.write_text(readme_set(readme.read_text(), version, readme_cells(row), replaces))
+        readme.write_text(readme_set(readme.read_text(), version, readme_cells(repo, env, row), replaces))
         print(f"  {README}: row for {version}")
 
 
@@ -690,7 +694,7 @@ def run_smoke(repo: Path, version: str, torch_pin: str) -> subprocess.CompletedP
     env = f"smoke{factor(version)}"
     tox(repo, "-e", env, "--notest")
     key, row = env_row(repo, env)
-    record_row(repo, key, row, version, None)
+    record_row(repo, env, key, row, version, None)
     return tox(repo, "-e", env, check=False)
 
 
