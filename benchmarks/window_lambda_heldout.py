@@ -105,25 +105,30 @@ def margins(q: torch.Tensor, k: torch.Tensor, scaling: float, window: int | None
 
 
 class Record:
-    """The margins of one (prompt, layer, phase, anchor) over its heads, sorted, with its kv_len and window."""
+    """The margins of one (prompt, layer, phase, anchor) over its heads, with each margin's kv_len and the window."""
 
     def __init__(self, values: torch.Tensor, kv_lens: torch.Tensor, window: int | None):
-        self.kv_lens, self.window = kv_lens, window   # kv_len per margin (decode rows differ)
-        order = values.argsort()
-        self.values, self.kv_sorted = values[order], kv_lens[order]
+        self.values, self.kv_lens, self.window = values, kv_lens, window   # kv_len per margin (decode rows differ)
 
-    def skipped(self, scale: float, norm: str) -> int:
-        n = self.kv_sorted.double()
-        if norm == "window" and self.window:
-            n = n.clamp(max=self.window)
-        lam = scale / n
-        lam = torch.where((lam > 0) & (lam < 1), lam, torch.zeros_like(lam))   # >= 1 runs dense
-        return int((self.values < lam).sum())
+    def normaliser(self, norm: str) -> torch.Tensor:
+        n = self.kv_lens.double()
+        return n.clamp(max=self.window) if norm == "window" and self.window else n
+
+
+_FLAT: dict = {}
 
 
 def sparsity(recs: list[Record], scale: float, norm: str) -> float:
-    visited = sum(r.values.numel() for r in recs)
-    return sum(r.skipped(scale, norm) for r in recs) / visited if visited else float("nan")
+    """Tiles skipped / visited over ``recs`` at ``lambda = scale / N``: a margin is skipped when
+    ``0 < lambda < 1`` (else the sequence runs dense) and ``margin < lambda``, i.e. ``N > scale`` and
+    ``margin * N < scale``."""
+    key = (tuple(map(id, recs)), norm)
+    if key not in _FLAT:
+        n = torch.cat([r.normaliser(norm) for r in recs]) if recs else torch.zeros(0, dtype=torch.float64)
+        x = torch.cat([r.values.double() for r in recs]) * n if recs else n
+        _FLAT[key] = (x, n, recs)        # recs kept alive so their ids stay unique
+    x, n, _ = _FLAT[key]
+    return float(((x < scale) & (n > scale)).sum()) / x.numel() if x.numel() else float("nan")
 
 
 def solve(recs: list[Record], norm: str, target: float) -> tuple[float | None, float]:
