@@ -176,7 +176,7 @@ def run(cfg, a):
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     args = make_inputs(n_seqs, kv_len, q_len, hq, hkv, head_dim, a.page_size, dtype, device, layout=a.layout)
     scale = 1 / math.sqrt(head_dim)
-    picks, grid, frac = calibrate(args, scale, (0.5, 0.75), impl)
+    picks, grid, frac = calibrate(args, scale, a.sparsities, impl)
     q, k, v = gathered(args, q_len)
     spec = LayerSpec(scale)
     fns = [lambda: paged_attention(args, spec, threshold=0.0, impl=impl),
@@ -361,6 +361,9 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=None,
                    help="timed repeats per entry (cpu: best of, default 3; cuda: median of, default 20)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    p.add_argument("--sparsities", type=lambda s: tuple(float(x) for x in s.split(",")), default=(0.5, 0.75),
+                   help="cpu cases: comma-separated target tile sparsities, each timed against our dense "
+                        "(lambda 0) in the same interleaved loop (default 0.5,0.75)")
     p.add_argument("--only", default="",
                    help="comma-separated subset of case names (cpu: prefill-4k,prefill-16k,decode-4k,decode-16k,"
                         "small-decode,small-prefill; cuda: " + ",".join(c[0] for c in GPU_CASES) + ")")

@@ -18,6 +18,11 @@ Three configurations, each in its own engine (the plugin reads the checkpoint's
 Per configuration: one warm-up generate, then ``--repeats`` x (a prefill-only run:
 ``max_tokens=1``; a full run: ``max_tokens=1+M``), ``N`` sequences each, interleaved. Prefill
 throughput = ``prompt tokens / t_prefill``; decode throughput = ``N * M / (t_full - t_prefill)``
+(``--decode-timing subtract``, the default) or, with ``--decode-timing cached``, ``N * (1 + M) / t_full``
+where the full run follows the prefill-only run of the same prompts with prefix caching on, so it
+recomputes one token per prompt and decodes (the prefix cache is reset before every prefill-only
+run, so prefill is always computed from scratch; both phases are then timed directly, which
+matters at 8k tokens, where a prefill takes a minute and M decode steps a few seconds)
 (best of the repeats, i.e. the least disturbed by other jobs on a shared machine; medians
 are shown too). The model is the tiny structured Llama (``sparse_attn.demo.tiny_model``), built a
 little larger than the tests' one (more layers, more heads, head_dim 64) so attention is a
@@ -114,11 +119,12 @@ def child(args) -> int:
     prompts = [{"prompt_token_ids": ids} for ids in prompts_for(ckpt, args.num_seqs, args.prompt_len, args.seed, args.prompts)]
     t0 = time.perf_counter()
     llm = LLM(model=str(ckpt), dtype="float32", max_model_len=args.prompt_len + args.decode_tokens + 8,
-              enforce_eager=True, enable_prefix_caching=False, seed=0, max_num_seqs=args.num_seqs,
+              enforce_eager=True, enable_prefix_caching=args.decode_timing == "cached", seed=0, max_num_seqs=args.num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_bytes=args.kv_cache_mib << 20)
     init_s = time.perf_counter() - t0
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    llm.generate(prompts[:1], warm, use_tqdm=False)
+    # --warmup-tokens: a shorter warm-up prompt; an 8k prefill of SmolLM2 takes ~a minute on one core.
+    llm.generate([{"prompt_token_ids": prompts[0]["prompt_token_ids"][:args.warmup_tokens or None]}], warm, use_tqdm=False)
     prefill = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     full = SamplingParams(temperature=0.0, max_tokens=1 + args.decode_tokens, ignore_eos=True)
 
@@ -129,13 +135,18 @@ def child(args) -> int:
             return [{"unavailable": str(exc)}]
 
     t_prefill, t_full, counts, tokens = [], [], {"prefill": [0, 0], "decode": [0, 0]}, None
+    cached_tokens = ([], [])  # prompt tokens served from the prefix cache: prefill-only runs, full runs
     stats()
     for _ in range(args.repeats):
         for params, times in ((prefill, t_prefill), (full, t_full)):
+            if args.decode_timing == "cached" and params is prefill:
+                if not llm.reset_prefix_cache():  # the prefill is computed, never read from the cache
+                    raise SystemExit("reset_prefix_cache() failed: the prefill-only run would read cached KV")
             t = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             times.append(time.perf_counter() - t)
             assert all(len(o.outputs[0].token_ids) == params.max_tokens for o in outs)
+            cached_tokens[params is full].append(sum(getattr(o, "num_cached_tokens", None) or 0 for o in outs))
             if params is full:
                 tokens = [list(o.outputs[0].token_ids) for o in outs]
             for snap in stats():
@@ -145,7 +156,7 @@ def child(args) -> int:
                     counts[phase][1] += c.get("visited", 0)
     report = {
         "init_s": init_s, "prompt_tokens": sum(len(p["prompt_token_ids"]) for p in prompts), "t_prefill": t_prefill, "t_full": t_full, "tokens": tokens,
-        "counts": counts, "layers": [s.get("layers_installed") for s in stats(reset=False)],
+        "counts": counts, "cached_tokens": cached_tokens, "layers": [s.get("layers_installed") for s in stats(reset=False)],
         "load_during": os.getloadavg(),
     }
     Path(args.out).write_text(json.dumps(report))
@@ -203,6 +214,11 @@ def main() -> int:
     ap.add_argument("--decode-tokens", type=int, default=32, help="M: decode tokens per sequence (default 32)")
     ap.add_argument("--prompts", choices=("tasks", "text"), default="tasks",
                     help="prompt kind: the project's synthetic long-context tasks (default) or plain running text")
+    ap.add_argument("--warmup-tokens", type=int, default=0,
+                    help="prompt tokens of the one untimed warm-up generate (default 0: a whole benchmark prompt)")
+    ap.add_argument("--decode-timing", choices=("subtract", "cached"), default="subtract",
+                    help="decode time = full run - prefill-only run (default), or the full run itself with the "
+                         "prompts' KV in the prefix cache (see above)")
     ap.add_argument("--repeats", type=int, default=2, help="timed (prefill, full) pairs per config; medians (default 2)")
     ap.add_argument("--model", default=None, metavar="DIR",
                     help="a Hugging Face checkpoint to serve instead of the tiny model (its config.json is copied per "
@@ -254,7 +270,8 @@ def main() -> int:
         cmd = [sys.executable, __file__, "--child", str(ckpt), "--out", str(out), "--num-seqs", str(args.num_seqs),
                "--prompt-len", str(args.prompt_len), "--decode-tokens", str(args.decode_tokens), "--repeats", str(args.repeats),
                "--seed", str(args.seed), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-               "--kv-cache-mib", str(args.kv_cache_mib), "--prompts", args.prompts]
+               "--kv-cache-mib", str(args.kv_cache_mib), "--prompts", args.prompts, "--warmup-tokens", str(args.warmup_tokens),
+               "--decode-timing", args.decode_timing]
         print(f"[{name}] starting engine ...", flush=True)
         t = time.time()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -264,7 +281,8 @@ def main() -> int:
         results[name] = json.loads(out.read_text())
         r = results[name]
         print(f"[{name}] done in {time.time() - t:.0f} s (engine init {r['init_s']:.0f} s): "
-              f"prefill {r['t_prefill']}, full {r['t_full']}", flush=True)
+              f"prefill {r['t_prefill']}, full {r['t_full']}, prompt tokens from the prefix cache "
+              f"(prefill-only / full runs) {r['cached_tokens']}", flush=True)
 
     rows = []
     native = None
@@ -272,9 +290,12 @@ def main() -> int:
         tp, tf = min(r["t_prefill"]), min(r["t_full"])
         tp_med, tf_med = statistics.median(r["t_prefill"]), statistics.median(r["t_full"])
         decode_tokens = args.num_seqs * args.decode_tokens
+        if args.decode_timing == "cached":  # the full run is 1 recomputed + M decoded tokens per prompt
+            decode_tokens, tp, tp_med = args.num_seqs * (1 + args.decode_tokens), 0.0, 0.0
         sparsity = {p: (c[0] / c[1] if c[1] else None) for p, c in r["counts"].items()}
-        row = dict(name=name, prefill_tps=r["prompt_tokens"] / tp, decode_tps=decode_tokens / max(tf - tp, 1e-9), tp=tp, tf=tf,
-                   prefill_tps_med=r["prompt_tokens"] / tp_med, decode_tps_med=decode_tokens / max(tf_med - tp_med, 1e-9),
+        t_pre, t_pre_med = min(r["t_prefill"]), statistics.median(r["t_prefill"])
+        row = dict(name=name, prefill_tps=r["prompt_tokens"] / t_pre, decode_tps=decode_tokens / max(tf - tp, 1e-9), tp=t_pre, tf=tf,
+                   prefill_tps_med=r["prompt_tokens"] / t_pre_med, decode_tps_med=decode_tokens / max(tf_med - tp_med, 1e-9),
                    t_prefill=r["t_prefill"], t_full=r["t_full"], sparsity=sparsity, layers=r["layers"], tokens=r["tokens"])
         if name == "native":
             native = row
@@ -316,7 +337,8 @@ def main() -> int:
         f"Command: `{cmdline}`",
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores ({_cpu_name()}), {platform.system()} {platform.release()}; "
-        f"vllm {vllm.__version__}, torch {torch.__version__}; Python {platform.python_version()}.",
+        f"vllm {vllm.__version__}, torch {torch.__version__}; Python {platform.python_version()}; "
+        f"plugin CPU kernel here: {_cpu_kernel()}; VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND', '(unset)')}.",
         f"Load average (1/5/15 min) before: {'/'.join(f'{x:.1f}' for x in load_before)}, "
         f"after: {'/'.join(f'{x:.1f}' for x in load_after)}; per engine at its end: "
         + ", ".join(f"{n} {'/'.join(f'{x:.1f}' for x in r['load_during'])}" for n, r in results.items()) + ".",
@@ -325,6 +347,8 @@ def main() -> int:
         f"M={args.decode_tokens} decode tokens each; {args.repeats} repeats; max_num_batched_tokens {args.max_num_batched_tokens}.",
         f"plugin-sparse: target prefill {args.prefill_target} / decode {args.decode_target}, prefill a/b {prefill_ab[0]:.4g}/{prefill_ab[1]:.4g}, decode a/b {decode_ab[0]:.4g}/{decode_ab[1]:.4g}"
         + (" (fitted by --calibrate in this run)" if cal else "") + f". Total wall time {time.time() - started:.0f} s.",
+        f"Decode timing: {args.decode_timing}; prompt tokens read from the prefix cache per run (prefill-only | full): "
+        + ", ".join(f"{n} {r['cached_tokens'][0]} | {r['cached_tokens'][1]}" for n, r in results.items()) + ".",
     ]
     text = "\n".join(header + [""] + table) + "\n"
     print()
@@ -349,6 +373,13 @@ def _describe_model(args, base: Path) -> str:
     heads = cfg.get("num_attention_heads")
     return (f"{base.name} ({cfg.get('model_type')}, {cfg.get('num_hidden_layers')} layers, {heads} heads / "
             f"{cfg.get('num_key_value_heads', heads)} KV heads, head_dim {cfg.get('head_dim')}, served in fp32)")
+
+
+def _cpu_kernel() -> str:
+    """What ``impl="auto"`` serves on CPU in a process of this environment (the workers share the build cache)."""
+    from sparse_attn.kernels import cpu_impl
+
+    return f"{cpu_impl.cpu_kernel()} ({cpu_impl.status().describe()})"
 
 
 def _cpu_name() -> str:

@@ -2,7 +2,7 @@
 
 Builds the ``-DSA_PROFILE`` variant of ``sparse_attn/kernels/csrc/skip_attn_cpu.cpp`` (its
 phases are timed with ``rdtsc``; the normal build has no timers), runs each case dense and at
-~75 % tile sparsity, and prints the share of each phase.  One thread (``--threads``), the
+``--sparsities`` (default ~75 %) tile sparsity, and prints the share of each phase.  One thread (``--threads``), the
 cpu-packed cache (vLLM's CPU layout, page 128) unless ``--layout contiguous``.
 
     python benchmarks/profile_cpu_kernel.py [--only smol-prefill-2k,...] [--repeats 3]
@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_kernels import calibrate, make_inputs  # noqa: E402
 
-from sparse_attn.kernels import cpu_build, cpu_impl, paged_attention  # noqa: E402
+from sparse_attn.kernels import LayerSpec, cpu_build, cpu_impl, paged_attention  # noqa: E402
 
 PHASES = ("q", "k-prep", "qk", "mask+max", "rule", "exp", "v-prep", "pv", "out")
 #: (name, sequences, KV length, query length, Hq, Hkv, D): SmolLM2-135M's attention (9/3/64)
@@ -52,6 +52,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="calls per measurement (phase cycles are summed)")
     p.add_argument("--layout", choices=("cpu-packed", "contiguous"), default="cpu-packed")
     p.add_argument("--page-size", type=int, default=128)
+    p.add_argument("--sparsities", type=lambda s: tuple(float(x) for x in s.split(",")), default=(0.75,),
+                   help="comma-separated target tile sparsities profiled after dense (default 0.75)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     built = cpu_build.load(profile=True)
@@ -67,14 +69,14 @@ def main(argv=None) -> int:
         if keep and name not in keep:
             continue
         args = make_inputs(n, kv, q, hq, hkv, d, a.page_size, torch.float32, "cpu", layout=a.layout)
-        scale = 1 / math.sqrt(d)
-        (pick,), grid, frac = calibrate(args, scale, (0.75,), "compiled")
-        for lam, sp in ((0.0, 0.0), (grid[pick], frac[pick])):
-            paged_attention(*args, scale=scale, threshold=lam, impl="compiled")
+        spec = LayerSpec(1 / math.sqrt(d))
+        picks, grid, frac = calibrate(args, spec.scale, a.sparsities, "compiled")
+        for lam, sp in [(0.0, 0.0)] + [(grid[i], frac[i]) for i in picks]:
+            paged_attention(args, spec, threshold=lam, impl="compiled")
             built.lib.sa_profile(buf, 1)
             t = time.perf_counter()
             for _ in range(a.repeats):
-                paged_attention(*args, scale=scale, threshold=lam, impl="compiled")
+                paged_attention(args, spec, threshold=lam, impl="compiled")
             wall = (time.perf_counter() - t) / a.repeats
             built.lib.sa_profile(buf, 1)
             total = sum(buf) or 1

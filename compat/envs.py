@@ -315,14 +315,16 @@ def validate_all() -> dict[str, str]:
 def unknown(environ: Mapping[str, str] | None = None) -> dict[str, str | None]:
     """``{name: closest registered name or None}`` for each ``SPARSE_ATTN_*`` variable set in
     ``environ`` (default ``os.environ``) that is not in the registry: a typo such as
-    ``SPARSE_ATTN_DISABLED`` would otherwise be ignored without a word."""
+    ``SPARSE_ATTN_DISABLED`` would otherwise be ignored without a word. The prefix is matched in any
+    case (environment names are case-sensitive, so ``sparse_attn_disable=1`` is ignored too)."""
     import difflib
 
     env = os.environ if environ is None else environ
     found = {}
     for name in sorted(env):
-        if name.startswith(PREFIX) and name not in REGISTRY:
-            close = difflib.get_close_matches(name, list(REGISTRY), n=1, cutoff=0.6) if len(name) < 128 else []
+        if name.upper().startswith(PREFIX) and name not in REGISTRY:
+            close = (difflib.get_close_matches(name.upper(), list(REGISTRY), n=1, cutoff=0.6)
+                     if len(name) < 128 else [])
             found[name] = close[0] if close else None
     return found
 
@@ -332,6 +334,7 @@ def unknown_warnings(environ: Mapping[str, str] | None = None) -> list[str]:
     return [
         f"{name[:80]} is not a variable sparse-attn reads, so it has no effect"
         + (f"; did you mean {close}?" if close else f" (known: {', '.join(REGISTRY)})")
+        + (" Variable names are case-sensitive." if not name.startswith(PREFIX) else "")
         for name, close in unknown(environ).items()
     ]
 

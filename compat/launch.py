@@ -153,6 +153,11 @@ def parse_length(raw: str, flag: str = "--max-model-len") -> int | None:
     return int(value)
 
 
+def _json_kind(value: object) -> str:
+    return {list: "a list", str: "a string", bool: "a boolean", type(None): "null", int: "a number",
+            float: "a number"}.get(type(value), type(value).__name__)
+
+
 def read_server_args(args: Sequence[str]) -> ServerArgs:
     """Read :data:`SERVER_FLAGS` from ``args`` (``vllm serve`` arguments). Raises
     :class:`ServerArgsError` for a value the server would reject: a length that is not a
@@ -170,11 +175,16 @@ def read_server_args(args: Sequence[str]) -> ServerArgs:
         raw = last["hf_overrides"]
         try:
             overrides = json.loads(raw)
-        except (ValueError, RecursionError):
-            overrides = None
+            why = f"is valid JSON but {_json_kind(overrides)}, not an object"
+        except json.JSONDecodeError as exc:
+            overrides, why = None, f"is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})"
+        except RecursionError:
+            overrides, why = None, "nests deeper than JSON's parser can follow"
+        except ValueError:  # an integer of more digits than Python converts
+            overrides, why = None, "holds an integer with more digits than Python converts (4300)"
         if not isinstance(overrides, dict):
             raise ServerArgsError(
-                "--hf-overrides is not a JSON object", observed=_cut(raw),
+                f"--hf-overrides is not a JSON object: it {why}", observed=_cut(raw),
                 expected='a JSON object of config.json keys, e.g. \'{"max_position_embeddings": 8192}\'',
                 fix="quote the JSON for your shell and check it with python -m json.tool",
             )

@@ -39,7 +39,7 @@ from sparse_attn.calibration.prompts import (
 )
 from sparse_attn.calibration.runner import PHASES, candidate_scales, counting_mode_env, measure, served_layers
 from sparse_attn.calibration.synthetic import generate_calibration_samples
-from sparse_attn.calibration.outputs import DEFAULT_OUTPUT, QWEN_DUAL_CHUNK_FILE, check_destinations
+from sparse_attn.calibration.outputs import DEFAULT_OUTPUT, QWEN_DUAL_CHUNK_FILE, check_destinations, describe_kind
 from sparse_attn.config import SparseAttentionConfigError, read_config_json
 from sparse_attn.errors import CliError
 from sparse_attn.jsonio import JsonInputError, loads, shorten
@@ -113,6 +113,11 @@ def _check_plot(args) -> tuple[Path | None, list[Path]]:
     if prefix.is_dir():
         raise CliError(f"--plot {prefix} is a directory; expected a path prefix. Fix: pass e.g. --plot {prefix / 'calibration'} "
                        f"(writes {prefix / 'calibration_prefill.png'} and {prefix / 'calibration_decode.png'})")
+    if prefix.exists() and not prefix.is_file():
+        # e.g. --plot /dev/null, meant as "no plots": the PNGs would land beside the device, in /dev.
+        raise CliError(f"--plot {prefix} is {describe_kind(prefix)}; expected a path prefix for two new PNG files "
+                       f"(it writes PREFIX_prefill.png and PREFIX_decode.png beside it). Fix: pass e.g. "
+                       f"--plot ./calibration, or leave --plot out to write no plots")
     if not directory.is_dir() or not os.access(directory, os.W_OK):
         raise CliError(f"--plot {args.plot}: directory {directory} does not exist or is not writable")
     return prefix, [prefix.parent / f"{prefix.name}_{phase}.png" for phase in PHASES]

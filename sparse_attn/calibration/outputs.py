@@ -62,6 +62,14 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
+def describe_kind(path: Path) -> str:
+    """What ``path`` is, for a message ("a character device", "a FIFO (named pipe)", ...)."""
+    try:
+        return _kind(os.stat(path).st_mode)
+    except OSError as exc:
+        return f"not inspectable ({exc.strerror or exc})"
+
+
 def _hub_repo(path: Path) -> Path | None:
     """The cache repository (``.../models--org--name``) of a Hugging Face snapshot path, or None."""
     parts = path.parts

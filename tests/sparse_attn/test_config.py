@@ -577,6 +577,7 @@ def test_never_skip_warning_when_lambda_stays_at_or_above_one(ab, target, max_kv
     expected = max_kv_len is not None and ab[0] * math.exp(ab[1] * target) / max_kv_len >= 1
     assert expected is warns
     assert bool(notes) is warns
+    assert cfg.never_skipping_phases(max_kv_len) == (("prefill",) if warns else ())
     if warns:
         assert len(notes) == 1 and "prefill phase never skips a tile" in notes[0]
         assert f"up to {max_kv_len} tokens" in notes[0] and "threshold_scale_factor.prefill" in notes[0]

@@ -186,6 +186,29 @@ def test_report_puts_dense_beside_every_sparse_number(tmp_path):
     assert [c["native"] for c in native_only["configs"]] == [True] and "dense" in render(native_only)
 
 
+def test_a_phase_whose_curve_never_skips_reads_dense_not_n_a():
+    """Target 0.7 on a checkpoint whose prefill curve reaches lambda >= 1 (measured on SmolLM2 calibrated on 1-2k
+    prompts: scale 3200 at 0.7): the prefill column says dense and why, the decode column its sparsity."""
+    from sparse_attn.evaluation.report import render
+
+    def config(label, target, never, sparsity):
+        cell = {"task": "niah_single", "length": 1024, "n": 1, "match": 1.0, "first_lp": -0.1, "agreement": 1.0,
+                "sparsity": sparsity}
+        return {"label": label, "target": target, "native": target is None, "layers": [[30, 30]] if target else None,
+                "never_skips": never, "cells": [cell],
+                "all": {"n": 1, "match": 1.0, "first_lp": -0.1, "agreement": 1.0, "sparsity": sparsity,
+                        "generate_s": 1.0, "teacher_forced_s": 0.0}}
+
+    report = {"checkpoint": "ckpt", "tasks": ["niah_single"], "lengths": [1024], "samples_per_cell": 1,
+              "decode_tokens": 2, "seed": 0,
+              "configs": [config("dense", None, [], None),
+                          config("target 0.7", 0.7, ["prefill"], {"prefill": None, "decode": 0.628})]}
+    text = render(report)
+    pooled = next(line for line in text.splitlines() if line.startswith("0.7 "))
+    assert "dense" in pooled and "62.8" in pooled and "n/a" not in pooled
+    assert "target 0.7: prefill" in text and "lambda = scale / kv_len >= 1" in text
+
+
 def test_teacher_forced_prefill_is_the_cells_prefill():
     """With --teacher_forced the generate batch reads the prompts' KV from the prefix cache: the cell's prefill
     counts are the teacher-forced pass's, its decode counts the generate batch's, its time both passes'."""

@@ -302,7 +302,12 @@ NONSENSE = [
                                                                   "prefill": {"a": -1, "b": 2}})})], []),
          ("threshold_scale_factor.prefill.a in --hf-overrides", "expected a number > 0")),
     Case("serve_hf_overrides_not_json", lambda t: (["serve", ckpt(t), "--validate-only", "--hf-overrides", "{oops"], []),
-         ("--hf-overrides is not a JSON object",)),
+         ("--hf-overrides is not a JSON object: it is not valid JSON (line 1, column 2",)),
+    Case("serve_hf_overrides_list", lambda t: (["serve", ckpt(t), "--validate-only", "--hf-overrides", "[1]"], []),
+         ("--hf-overrides is not a JSON object: it is valid JSON but a list",)),
+    Case("serve_hf_overrides_deep", lambda t: (["serve", ckpt(t), "--validate-only", "--hf-overrides",
+                                                "[" * 100_000 + "]" * 100_000], []),
+         ("--hf-overrides is not a JSON object: it nests deeper than JSON's parser can follow",)),
     Case("serve_bad_kv_layout", lambda t: (["serve", ckpt(t), "--validate-only"], []),
          ("SPARSE_ATTN_KV_LAYOUT: value 'sideways' is not valid", "every vLLM process would fail"),
          env={"SPARSE_ATTN_KV_LAYOUT": "sideways"}),
@@ -314,6 +319,9 @@ NONSENSE = [
     Case("serve_env_typo", lambda t: (["serve", ckpt(t), "--validate-only"], []),
          ("warning: SPARSE_ATTN_DISABLED is not a variable sparse-attn reads", "did you mean SPARSE_ATTN_DISABLE?"),
          code=0, env={"SPARSE_ATTN_DISABLED": "1"}),
+    Case("serve_env_lowercase", lambda t: (["serve", ckpt(t), "--validate-only"], []),
+         ("warning: sparse_attn_disable is not a variable sparse-attn reads", "did you mean SPARSE_ATTN_DISABLE?",
+          "case-sensitive"), code=0, env={"sparse_attn_disable": "1"}),
     Case("serve_env_value_100KB", lambda t: (["serve", ckpt(t), "--validate-only"], []),
          ("SPARSE_ATTN_KV_LAYOUT: value 'xxxx", "(100000 characters)"), env={"SPARSE_ATTN_KV_LAYOUT": "x" * 100_000}),
     Case("calib_samples_1e20", lambda t: (["calibrate", ckpt(t), "--output", t / "o.json", "--calib_samples", str(10 ** 20)], []),
@@ -385,7 +393,7 @@ def test_hostile_input_gives_a_clear_answer(case, tmp_path, capsys, monkeypatch)
 
 
 def test_every_issue_class_has_rows():
-    assert {cls: len(t) for cls, t in TABLES.items()} == {"files": 11, "traceback": 21, "hang": 8, "nonsense": 26}
+    assert {cls: len(t) for cls, t in TABLES.items()} == {"files": 11, "traceback": 21, "hang": 8, "nonsense": 29}
 
 
 def test_argparse_errors_quote_a_long_value_cut(capsys):
