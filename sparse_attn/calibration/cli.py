@@ -179,6 +179,16 @@ def _check_engine_choices(args, extra: Mapping[str, Any]) -> None:
                            f"Fix: use the names of vllm.LLM / EngineArgs (e.g. kv_cache_memory_bytes, gpu_memory_utilization)")
 
 
+def _check_pipeline_parallel(args) -> None:
+    """--pipeline_parallel_size > 1 where the installed vLLM cannot run it eagerly (calibration
+    always runs eager): refused now, not after the engine has started and died on its first step."""
+    from compat.launch import eager_cpu_pipeline_parallel_error
+
+    error = eager_cpu_pipeline_parallel_error(args.pipeline_parallel_size)
+    if error is not None:
+        raise CliError(f"--pipeline_parallel_size {args.pipeline_parallel_size}: {error}")
+
+
 def _read_model_config(ckpt: Path) -> dict:
     try:
         return read_config_json(ckpt)
@@ -262,6 +272,7 @@ def _check_args(args) -> _Plan:
     extra = _parse_engine_kwargs(args.engine_kwargs)
     calib_max, max_model_len = _lengths(args, model_config)
     _check_engine_choices(args, extra)
+    _check_pipeline_parallel(args)
     for directory in {ckpt.absolute(), output.absolute().parent}:
         for stale in remove_stale_temp_files(directory):
             print(f"calibrate: removed {stale}, left by a killed earlier run")
