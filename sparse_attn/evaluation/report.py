@@ -66,7 +66,7 @@ def _phase_sp(config: dict, sparsity: dict | None, phase: str) -> str:
     (that phase never skips, so its tiles are not counted)."""
     if phase in config.get("never_skips", ()):
         return "dense"
-    return _pct((sparsity or {}).get(phase)) if sparsity else "-"
+    return _pct(sparsity.get(phase)) if sparsity else "-"
 
 
 def render(report: dict[str, Any]) -> str:
