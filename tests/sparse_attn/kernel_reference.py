@@ -3,8 +3,9 @@
 Shared by the kernel tests and ``benchmarks/gpu_check.py`` (which runs where pytest may
 not be installed, hence no pytest import here).  Dense attention is float64 softmax on
 K/V gathered token by token; the sparse reference walks every (query head, query tile,
-KV tile) in Python loops and applies the documented skip rule: KV splits (each later
-split's running max seeded with the anchor tile's maxima), sliding windows, logit
+KV tile) in Python loops and applies the documented skip rule: the anchor tile (tile 0,
+or the diagonal tile of a windowed query tile) and KV splits (the running max starts from,
+and each later split restarts from, the anchor's maxima), sliding windows, logit
 soft-cap, learned sink logits, fp8 caches with per-tensor scales.
 """
 
@@ -142,15 +143,18 @@ def reference(batch, spec, lam=0.0, thresholds=(), split_k=SPLIT_K):
                 r0, r1 = qt * TILE_Q, min(q_len, (qt + 1) * TILE_Q)
                 seen = allowed[r0:r1].nonzero()[:, 1]
                 first, last = int(seen.min()) // TILE_K, int(seen.max()) // TILE_K
-                m = torch.full((r1 - r0,), float("-inf"), dtype=torch.float64)
-                seed = scores[r0:r1, first * TILE_K:min(n, (first + 1) * TILE_K)].amax(1)   # the anchor's maxima
+                # The anchor: the diagonal tile with a window, tile first (= 0) without; its
+                # maxima (-inf for a row that sees nothing of it) seed the running max.
+                anchor = last if w is not None else first
+                seed = scores[r0:r1, anchor * TILE_K:min(n, (anchor + 1) * TILE_K)].amax(1)
+                m = seed.clone()
                 for t in range(first, last + 1):
                     c0, c1 = t * TILE_K, min(n, (t + 1) * TILE_K)
                     tmax = scores[r0:r1, c0:c1].amax(1)
                     visited[h] += 1
                     if t > first and c0 % split_k == 0:               # a later split opens: the seed
                         m = seed.clone()
-                    if t == first:
+                    if t == anchor:
                         ratio = math.inf                              # the anchor is never skipped
                     else:
                         # A row that sees nothing of the tile does not vote (0); one that sees
