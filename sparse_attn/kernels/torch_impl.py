@@ -149,7 +149,8 @@ class _Group:
         self.lo_max_qt = lo.view(b_all, nq, rows).amax(-1)
         per_row = lambda x: x.view(b_all, nq, 1, rows).expand(-1, -1, self.g, -1).reshape(b_all, -1)
         self.lim_rows, self.lo_rows, self.valid_rows = per_row(limit), per_row(lo), per_row(self.row_valid)
-        # The anchor of each row's query tile, relative to base, per (B, M) row.
+        # Each row's query tile's first walked tile, relative to base, per (B, M) row (the
+        # anchor without a window).
         self.first_rows = self.first.view(b_all, nq, 1, 1).expand(-1, -1, self.g, rows).reshape(b_all, -1)
 
         hkv, g, d = self.hkv, self.g, self.d
@@ -158,11 +159,45 @@ class _Group:
             q.mul_(spec.k_scale)                            # k_scale folds into the logit scale
         self.q = q.view(b_all, nq, rows, hkv, g, d).permute(3, 0, 1, 4, 2, 5).reshape(hkv, b_all, -1, d)
         shape = self.q.shape[:3]
-        self.m_dense = torch.full(shape, _NEG_INF)
-        self.m_seed = torch.full(shape, _NEG_INF)       # the anchors' maxima, set where an anchor is read
+        # The anchors' maxima: a windowed query tile's anchor is its last tile, so they are
+        # computed before the walk (the running max starts from them); tile 0's are set when
+        # the walk reads it.
+        self.m_seed = self._diagonal_seed() if self.window is not None and self.test \
+            else torch.full(shape, _NEG_INF)
+        self.m_dense = self.m_seed.clone()
         self.m_ref = torch.full(shape, _NO_REF)
         self.l_sum = torch.zeros(shape)
         self.acc = torch.zeros(self.q.shape)
+
+    def _diagonal_seed(self) -> torch.Tensor:
+        """The rule's seed of windowed rows: each row's maxima over its query tile's anchor,
+        the tile ``last`` (its diagonal tile), -inf where the row sees nothing of it; fp32
+        ``[Hkv, B, M]``.  One Q.K^T of one K tile per (sequence, query tile), in chunks of
+        query tiles whose scores stay within the chunk budget."""
+        hkv, g, d, rows, b_all, nq = self.hkv, self.g, self.d, self.rows, self.b_all, self.nq
+        per_qt = g * rows
+        seed = torch.full((hkv, b_all, nq, per_qt), _NEG_INF)
+        walked = self.last >= self.first                                        # [B, nq] query tiles with rows
+        pairs = walked.nonzero()
+        if pairs.numel() == 0:
+            return seed.view(hkv, b_all, -1)
+        plan = self.k_reader.plan(b_all, 0, max(self.n_walk), self.base)
+        q = self.q.view(hkv, b_all, nq, per_qt, d)
+        lim = self.lim_rows.view(b_all, nq, per_qt)
+        lo = self.lo_rows.view(b_all, nq, per_qt)
+        step = max(1, min(_SCORE_BUDGET // (per_qt * TILE_K), _KV_BUDGET // (TILE_K * d)))   # per KV head
+        for i in range(0, pairs.shape[0], step):
+            bs, qts = pairs[i:i + step, 0], pairs[i:i + step, 1]
+            tile = self.last[bs, qts]                                           # relative to base
+            cols = (self.base[bs] + tile)[:, None, None] * TILE_K + torch.arange(TILE_K)   # [n, 1, 64]
+            hide = (cols > lim[bs, qts, :, None]) | (cols < lo[bs, qts, :, None])         # [n, per_qt, 64]
+            for h in range(hkv):
+                k = self.k_reader.read_tiles(plan, bs, tile, h)                 # [n, 64, D]
+                sc = torch.matmul(q[h, bs, qts], k.transpose(1, 2))             # [n, per_qt, 64]
+                if self.cap is not None:
+                    sc.div_(self.cap).tanh_().mul_(self.cap)
+                seed[h, bs, qts] = sc.masked_fill_(hide, _NEG_INF).amax(-1)
+        return seed.view(hkv, b_all, -1)
 
     def run(self, skipped: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Walk every chunk, then normalise into ``out``; returns the visited-tile count (per head)."""
@@ -256,12 +291,13 @@ class _Group:
         running max, ratios, counts; returns the serving skip mask ``[Hkv, b, nqa, g, c]``."""
         hkv, g, rows = self.hkv, self.g, self.rows
         row_lo, row_hi = qt_lo * g * rows, (qt_lo + nqa) * g * rows
-        anchor = self.first_rows[:b, row_lo:row_hi] - t0                        # [b, M] chunk-relative
-        here = (anchor >= 0) & (anchor < c)
-        if bool(here.any()):      # rows whose anchor is in this chunk: its maxima are their seed
-            at = tile_max.gather(-1, anchor.clamp(0, c - 1).expand(hkv, -1, -1).unsqueeze(-1)).squeeze(-1)
-            seed = self.m_seed[:, :b, row_lo:row_hi]
-            seed.copy_(torch.where(here, at, seed))
+        if self.window is None:   # tile 0 anchors: its maxima are the seed once the walk reads it
+            anchor = self.first_rows[:b, row_lo:row_hi] - t0                    # [b, M] chunk-relative
+            here = (anchor >= 0) & (anchor < c)
+            if bool(here.any()):
+                at = tile_max.gather(-1, anchor.clamp(0, c - 1).expand(hkv, -1, -1).unsqueeze(-1)).squeeze(-1)
+                seed = self.m_seed[:, :b, row_lo:row_hi]
+                seed.copy_(torch.where(here, at, seed))
         phase = (self.base[:b] + t0) % self.tiles_per_split
         phase = int(phase[0]) if bool((phase == phase[0]).all()) else phase
         md = self.m_dense[:, :b, row_lo:row_hi]
@@ -274,7 +310,8 @@ class _Group:
         e = torch.where(self.valid_rows[:b, row_lo:row_hi, None], e, 0.0)
         ratio = e.view(hkv, b, nqa, g, rows, c).amax(4)                         # [Hkv, b, nqa, g, c]
         tiles = torch.arange(t0, t0 + c)
-        countable = (vis & (tiles != self.first[:b, qt_lo:qt_lo + nqa, None])).view(1, b, nqa, 1, c)  # not the anchor
+        anchor = self.last if self.window is not None else self.first
+        countable = (vis & (tiles != anchor[:b, qt_lo:qt_lo + nqa, None])).view(1, b, nqa, 1, c)  # not the anchor
         if self.lams is not None:
             r_c = torch.where(countable, ratio, float("inf"))
             hits = r_c.unsqueeze(0) < self.lams[:, :b].reshape(-1, 1, b, 1, 1, 1)
@@ -317,12 +354,14 @@ def _split_cummax(tile_max, md, seed, phase, tiles_per_split):
     seed (the anchors' maxima) at every split boundary.
 
     ``tile_max`` [Hkv, b, M, c] holds a chunk of ``c`` walked tiles; ``md`` [Hkv, b, M] is
-    the running max carried in from the walked tiles before the chunk (-inf before the
-    first chunk); ``seed`` [Hkv, b, M] the anchors' maxima; ``phase`` the position of the
-    chunk's first tile in its split (an int, or long [b] when sequences differ).  Returns
-    ``(m_before [Hkv, b, M, c], m_after [Hkv, b, M])``.  A boundary at or before a row's
-    anchor restarts from the seed too: harmless, the anchor is never skippable and its own
-    maxima are the seed, so every later m_before is the same.
+    the running max carried in from the walked tiles before the chunk (before the first
+    chunk: the seed of windowed rows, -inf while tile 0 is not read yet); ``seed`` [Hkv, b, M] the
+    anchors' maxima; ``phase`` the position of the chunk's first tile in its split (an int,
+    or long [b] when sequences differ).  Returns ``(m_before [Hkv, b, M, c], m_after
+    [Hkv, b, M])``.  A boundary at or before a row's first visited tile restarts from the
+    seed too: harmless, the row sees nothing of earlier tiles (-inf), so its running max is
+    the seed there anyway (with the tile-0 anchor: the anchor is never skippable and its
+    own maxima are the seed).
     """
     c, tps = tile_max.shape[-1], tiles_per_split
     if isinstance(phase, int) and phase + c <= tps:      # one split: no boundary except maybe at the start
