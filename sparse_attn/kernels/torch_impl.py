@@ -3,10 +3,13 @@
 Sequences are processed in groups: a sequence with more than ``TILE_Q`` queries is a
 group of its own (its query tiles share every K/V tile), shorter ones are batched by
 ``next_pow2(q_len)`` (decode is the ``q_len = 1`` group).  Each sequence walks its
-visited KV tiles from its first query tile's anchor (tile 0 without a sliding window, the
-first tile of the window with one), so a windowed decode reads its window only.  Inside a
-group the loop runs over *chunks* of consecutive walked tiles, vectorised over all
-(sequence, query tile, head) (:meth:`_Group.chunk`):
+visited KV tiles from the first tile its first query tile visits (tile 0 without a sliding
+window, the first tile of the window with one), so a windowed decode reads its window
+only.  The rule's anchor is tile 0 without a window, whose maxima seed the running max as
+the walk reads it; with one it is each query tile's diagonal tile, whose maxima are
+computed before the walk (:meth:`_Group._diagonal_seed`: one more K tile per query tile).
+Inside a group the loop runs over *chunks* of consecutive walked tiles, vectorised over
+all (sequence, query tile, head) (:meth:`_Group.chunk`):
 
 1. gather the chunk's K through the block table, ``S = Q K^T`` for every visited pair
    (needed anyway: the skip test reads the tile maxima), soft-cap, mask; K is gathered
@@ -101,7 +104,7 @@ class _Group:
     head-in-group, row) order, so one KV head's rows of a sequence are one contiguous
     matrix.  Sequences are ordered by walked tiles, longest first, so the sequences still
     walking at a chunk are a prefix; tile indices in a chunk are relative to each
-    sequence's ``base`` (the anchor of its first query tile).
+    sequence's ``base`` (the first tile its first query tile visits).
     """
 
     def __init__(self, batch, spec, meta, block_table, seqs, rows, threshold, lams, tiles_per_split):
@@ -111,7 +114,7 @@ class _Group:
         self.sink_logits, self.v_scale = spec.sink_logits, spec.v_scale
         w = self.window
         walk = {}
-        for s in seqs:                  # host ints: the first query tile's anchor .. the last tile
+        for s in seqs:                  # host ints: the first query tile's first tile .. the last tile
             kv, q_len = meta.seq_lens[s], meta.q_lens[s]
             base = max(0, kv - q_len - w + 1) // TILE_K if w is not None else 0
             walk[s] = (base, (kv - 1) // TILE_K - base + 1)
@@ -142,7 +145,8 @@ class _Group:
         pos = kv[:, None] - q_len[:, None] + last_row                           # each row's position
         limit = pos if spec.causal else (kv - 1)[:, None].expand(-1, nq * rows)
         lo = (pos - w + 1).clamp(min=0) if w is not None else torch.zeros_like(limit)
-        # Walked tiles per query tile, relative to base: first (the anchor) .. last.
+        # Walked tiles per query tile, relative to base: first .. last (the anchor is first
+        # without a window, last with one).
         self.first = lo.view(b_all, nq, rows).amin(-1) // TILE_K - self.base[:, None]     # [B, nq]
         self.last = limit.view(b_all, nq, rows).amax(-1) // TILE_K - self.base[:, None]   # [B, nq]
         self.limit_min_qt = limit.view(b_all, nq, rows).amin(-1)                # [B, nq] absolute

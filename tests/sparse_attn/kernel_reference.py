@@ -92,13 +92,17 @@ def add_sink_token(batch, strength=3.0, every=None):
     return dataclasses.replace(batch, query=q + u)
 
 
+RAMP_TILES = 16
+
+
 def add_recency(batch, per_tile=3.0, k_scale=1.0, scale=1.0):
     """Make every query prefer recent keys, as a local (windowed) layer does: key dimension 1
     becomes a ramp that is 0 at each sequence's last position and falls by ``per_tile``
     nats of logit per ``TILE_K`` positions before it (for a layer of logit ``scale`` and
-    ``k_scale``), and the queries get +4 on dimension 1 (so every row sees the ramp with
-    the same sign).  A windowed query tile's diagonal tile then holds its largest scores,
-    and the rule's diagonal anchor lets its older tiles be skipped."""
+    ``k_scale``), flat from ``RAMP_TILES`` tiles back (an fp8 e4m3 cache stays within its
+    range), and the queries get +4 on dimension 1 (so every row sees the ramp with the same
+    sign).  A windowed query tile near the end then has its largest scores in its diagonal
+    tile, and the rule's diagonal anchor lets its older tiles be skipped."""
     q, k, bt, seq_lens = batch.query, batch.key_cache, batch.block_table, batch.seq_lens
     page, lift = k.shape[1], 4.0
     slope = per_tile / (TILE_K * lift * float(scale) * float(k_scale))        # stored key units per position
@@ -106,7 +110,8 @@ def add_recency(batch, per_tile=3.0, k_scale=1.0, scale=1.0):
         n = int(seq_lens[s])
         pos = torch.arange(n)
         blk = bt[s].long()[pos // page]
-        k[blk, pos % page, :, 1] = (-(n - 1 - pos).float() * slope)[:, None].to(k.dtype)
+        age = (n - 1 - pos).clamp(max=RAMP_TILES * TILE_K).float()
+        k[blk, pos % page, :, 1] = (-age * slope)[:, None].to(k.dtype)
     u = torch.zeros(q.shape[-1], dtype=q.dtype)
     u[1] = lift
     return dataclasses.replace(batch, query=q + u)
