@@ -53,7 +53,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from sparse_attn.kernels import SPLIT_K, TILE_K, LayerSpec, PagedBatch, paged_attention, paged_attention_counts  # noqa: E402
-from tests.sparse_attn.kernel_reference import add_sink_token, make_batch, reference  # noqa: E402
+from tests.sparse_attn.kernel_reference import add_recency, add_sink_token, make_batch, reference  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOL = {"fp32": 2e-5, "bf16": 3e-2, "fp16": 5e-3}
@@ -99,6 +99,8 @@ def _case(kv_lens, q_lens, hq, hkv, d, page, layout, features, dtype, seed=41):
     batch = make_batch(kv_lens, q_lens, hq, hkv, d, page, layout=layout, dtype=dtype, seed=seed, kv_dtype=kv_dtype,
                        k_scale=k_scale, v_scale=v_scale)
     batch = add_sink_token(batch, strength=3.0 / k_scale ** 0.5, every=192 if f.get("window") else None)
+    if f.get("window"):     # recent keys score higher, so the diagonal anchor has old tiles to skip
+        batch = add_recency(batch, k_scale=k_scale, scale=2.0 * d ** -0.5)
     if f.pop("sink_logits", False):
         f["sink_logits"] = torch.randn(hq, generator=torch.Generator().manual_seed(seed)) * 2
     if scales == "tensor":

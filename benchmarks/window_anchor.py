@@ -6,9 +6,10 @@ of a trained model (Gemma 3: 512-token windows), on its own queries and keys (af
 norm and RoPE, recorded from a transformers forward):
 
 - ``first``: the first tile the query tile visits (the window start; TensorRT-LLM's "the
-  first tile a program visits is never skipped"): the rule the kernels implement;
+  first tile a program visits is never skipped"): the kernels' rule before issue 17 item 1;
 - ``diagonal``: the last tile the query tile visits (its own position, the most recent
-  tokens), whose maxima then seed the running max of every tile before it.
+  tokens), whose maxima then seed the running max of every tile before it: the rule the
+  kernels implement on windowed rows now (``sparse_attn/kernels/_common.py``).
 
 For each anchor, each lambda of a grid and each windowed layer, it computes the rule's
 skip decisions per (head, query tile, KV tile) with one split spanning the window (a
@@ -17,7 +18,8 @@ tile sparsity, and the attention output's error against dense attention (relativ
 row, averaged), for prefill query tiles of 64 rows and for single-row decodes at the last
 positions.  It prints the error each anchor has at equal tile sparsity, and the sparsity
 each lambda reaches, for the windowed layers and, beside them, the full-attention layers
-(there ``first`` is tile 0, the kernels' anchor of a full row).
+(there ``first`` is tile 0, the kernels' anchor of a full row; ``diagonal`` is not what the
+kernels do on those layers).
 
     python benchmarks/window_anchor.py CKPT_DIR --tokens 4096 --decodes 256
 
@@ -165,16 +167,16 @@ def main(argv=None):
                 for q, k, v, scale, window in group.values():
                     stats += tile_stats(q, k, v, scale, window, rows_of, anchor)
                 curves[kind, phase, anchor] = curve(stats)
-    # Sanity: the "first" anchor is the kernels' rule (one split spanning the window).
+    # Sanity: the "diagonal" anchor is the kernels' rule on windowed rows (one split spanning the window).
     q, k, v, scale, window = next(iter(layers.values()))
     cache = lambda x: x.transpose(0, 1).contiguous().view(t // 16, 16, x.shape[0], x.shape[2])   # noqa: E731
     batch = PagedBatch(q.transpose(0, 1).contiguous(), cache(k), cache(v), torch.arange(t // 16)[None].int(),
                        torch.tensor([t], dtype=torch.int32), torch.tensor([0, t], dtype=torch.int32))
     _, sk, vis = paged_attention_counts(batch, LayerSpec(scale, window=window), LAMBDAS, impl="torch",
                                         split_k=1 << 20)
-    mine = tile_stats(q, k, v, scale, window, phases["prefill"], "first")
+    mine = tile_stats(q, k, v, scale, window, phases["prefill"], "diagonal")
     mine_sk = [sum(int((r < lam).sum()) for r, _, _ in mine) for lam in LAMBDAS]
-    print(f"kernel counts == this script's 'first' anchor on layer {next(iter(layers))}: "
+    print(f"kernel counts == this script's 'diagonal' anchor on layer {next(iter(layers))}: "
           f"{mine_sk == sk.sum(1).tolist()} (visited {int(vis[0])} per head)")
     print("\n| layers | phase | anchor | sparsity at lambda 1e-3 / 1e-2 / 0.1 / 0.5 | error at 30% | 50% | 70% | "
           "90% tile sparsity | lambda at 50% |")

@@ -9,9 +9,13 @@ kernels' rule (64 x 64 tiles; a tile is skippable at lambda when every row of th
 ``exp(tile_max - running_max) < lambda``; rows see ``[p - w + 1, p]``; one KV split).  Two anchors
 (the tile that is never skipped and seeds the running max):
 
-* ``first``:    the first tile the query tile visits (the window start): what the kernels do;
-* ``diagonal``: the query tile's own (last) tile, whose maxima seed the running max of every tile
-  before it (what a kernel that visits the diagonal first would do; measured here, not served).
+* ``first``:    the first tile the query tile visits (the window start): the kernels' rule before
+  issue 17 item 1, kept here for comparison;
+* ``diagonal``: on windowed layers the query tile's own (last) tile, whose maxima seed the running
+  max of every tile before it; on global layers tile 0 (= ``first``): what the kernels do now
+  (``sparse_attn/kernels/_common.py``).  Until the kernels adopted it, ``diagonal`` here anchored
+  global layers on their diagonal too, so the README's global-layer numbers measured then under
+  ``diagonal`` used that anchor, not the kernels' tile 0.
 
 Two normalisations of the per-sequence threshold, ``lambda = scale / N``:
 
@@ -95,11 +99,12 @@ def margins(q: torch.Tensor, k: torch.Tensor, scaling: float, window: int | None
         diag = tmax.gather(1, (pos // TILE - t0)[:, None])                # the row's own tile's max
         seen = torch.isfinite(tmax).any(0).nonzero().flatten()
         for anchor in ANCHORS:
-            m = before if anchor == "first" else torch.maximum(before, diag)
+            diagonal = anchor == "diagonal" and window is not None     # global layers: tile 0 either way
+            m = torch.maximum(before, diag) if diagonal else before
             ratio = torch.exp(tmax - m)                                    # inf where nothing seeds it yet
             ratio = torch.where(torch.isneginf(tmax), torch.zeros_like(ratio), ratio)
             marg = ratio[:, seen].amax(0)
-            marg[0 if anchor == "first" else len(seen) - 1] = math.inf    # visits are in KV order
+            marg[len(seen) - 1 if diagonal else 0] = math.inf             # visits are in KV order
             out[anchor].append(marg)
     return {a: torch.cat(v) for a, v in out.items()}
 
@@ -191,7 +196,8 @@ def collect(model, tok, stream: str, lengths, per_cell: int, decode_rows: int, s
 
 
 def check_against_kernel(model, tok) -> None:
-    """The margins reproduce the kernels' own counts (anchor ``first``, one split) on a 1024-token prompt."""
+    """The margins reproduce the kernels' own counts (anchor ``diagonal``, one split) on a 1024-token
+    prompt, on a windowed and a global layer."""
     from sparse_attn.evaluation.tasks import build_samples
 
     ids = list(build_samples(tok, tasks=TASKS[:1], lengths=[1024], per_cell=1, seed=99, stream="calib")[0].prompt_token_ids)
@@ -206,7 +212,7 @@ def check_against_kernel(model, tok) -> None:
                            torch.tensor([t], dtype=torch.int32), torch.tensor([0, t], dtype=torch.int32))
         _, sk, _ = paged_attention_counts(batch, LayerSpec(scaling, window=window), lams, impl="torch", split_k=1 << 20)
         g = q.shape[0] // k.shape[0]
-        mine = [sum(int((margins(q[h], k[h // g], scaling, window, range(t))["first"] < lam).sum())
+        mine = [sum(int((margins(q[h], k[h // g], scaling, window, range(t))["diagonal"] < lam).sum())
                     for h in range(q.shape[0])) for lam in lams]
         kern = sk.sum(1).tolist()
         print(f"check layer {layer} (window {window}): kernel skips {kern}, this script {mine}: "

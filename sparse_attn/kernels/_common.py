@@ -25,13 +25,19 @@ window).  Tiles outside that range (above the causal diagonal, before the window
 neither visited nor counted; a row sees nothing of a visited tile when the tile lies
 wholly outside the row's own range.
 
-The *anchor* is tile ``first``: it is never skippable and its maxima seed every later
-split (without a window it is tile 0, which holds position 0 and the sequence's first
-tokens, StreamingLLM's "sink tokens").  For windowed rows tile 0 leaves the window on
-long sequences, so the anchor is the first tile the query tile visits, as in
-TensorRT-LLM's skip-softmax kernels ("the first tile a program visits is never
-skipped"): the rule then keeps its form, a windowed layer's counts mean what TensorRT-LLM
-counts, and a split program needs its own tiles plus one more.
+The *anchor* is the one visited tile that is never skippable and whose maxima seed the
+dense running max (below).  Without a window it is tile ``first`` = tile 0, which holds
+position 0 and the sequence's first tokens (StreamingLLM's "sink tokens"; TensorRT-LLM's
+rule "the first tile a program visits is never skipped").  With a window it is tile
+``last``, the query tile's own diagonal tile (the one holding its last valid row's
+position): tile 0 leaves the window on long sequences, and the window's first tile holds
+the oldest tokens a row sees, which a local layer attends to least, so a running max that
+starts there is below the recent tokens' scores and almost no tile tests small.  Measured
+on Gemma-3-270M's 512-token-window layers (``benchmarks/window_lambda_heldout.py``, README
+"Gemma" paragraph): with the window-start anchor they reached 12-19 % prefill sparsity at
+any lambda < 1; with the diagonal anchor seeding every earlier tile, 48 / 51 / 51 % at
+1k / 2k / 4k tokens on a curve of their own.  Layers without a window keep tile 0
+(existing calibrations of such models stay valid).
 
 KV *splits*: the KV axis is also cut into splits of ``split_k`` consecutive positions
 (default :data:`SPLIT_K`, a multiple of ``TILE_K``), aligned to KV position 0, so split
@@ -43,27 +49,32 @@ applies the same split boundaries to the skip test even when it does not launch 
 For visited KV tile ``t`` and valid row ``r``, with ``j(t)`` the split holding ``t``:
 
     tile_max[r, t] = max over the columns c of tile t row r sees of logit[r, c]    (-inf if none)
-    m_before[r, t] = max(tile_max[r, first .. t-1])                                  if j(t) = j(first)
-                     max(tile_max[r, first], tile_max[r, t0(j(t)) .. t-1])            otherwise
-                     (dense running max; at every split boundary after the anchor's split
-                     it RESTARTS from the anchor's maxima, the SEED, instead of carrying
-                     the tiles of earlier splits; -inf over an empty range)
+    seed[r]        = tile_max[r, anchor]          (anchor = last with a window, first = 0 without)
+    m_before[r, t] = max(seed[r], tile_max[r, max(first, t0(j(t))) .. t-1])
+                     (dense running max: it starts from the anchor's maxima, the SEED, and at
+                     every split boundary RESTARTS from the seed instead of carrying the tiles
+                     of earlier splits; the seed is -inf for a row that sees nothing of the
+                     anchor tile, e.g. the first rows of a windowed query tile that straddles
+                     a KV tile boundary; with the tile-0 anchor the seed is tile 0's own
+                     maxima, so within the first split this is the plain running max)
     e[r, t]        = 0                                  if tile_max[r, t] = -inf (row r does not vote)
                      exp(tile_max[r, t] - m_before[r, t])  otherwise (+inf if m_before = -inf)
     ratio[t]       = max over valid rows r of e[r, t]
 
-and the tile is *skippable under lambda* iff ``t != first`` (the anchor; the first tile of
-a later split is tested against the seed like any other) and ``ratio[t] < lambda``.
-Without a window every row sees position 0, so the seed is finite and every ``e`` of a
-tile ``t > 0`` is a plain ratio; with one, a row whose own window starts after the anchor
-keeps its first visible tile (``e = inf``).  Seeding keeps each split independent of the
-other splits (a split program needs only its own tiles plus the anchor) while every tile
-is still compared with the sequence's first tokens, which often hold a query's largest
-scores; a full restart at -inf compared a later split's tiles with a local maximum only
-and, measured, needed 3-400x larger lambdas for the same sparsity with 2-5x the mean
-error, where the seed matches the no-split rule on decodes (benchmarks/RESULTS-kernels.md).
-Cost: a split-KV decode program that starts after the anchor reads the anchor's K tile
-and computes its Q.K^T once more (one extra K tile per such program).
+and the tile is *skippable under lambda* iff ``t != anchor`` (the first tile of a split is
+tested against the seed like any other) and ``ratio[t] < lambda``.  Without a window every
+row sees position 0, so the seed is finite and every ``e`` of a tile ``t > 0`` is a plain
+ratio; with one, a row that sees nothing of the anchor tile starts at -inf and keeps its
+first visible tile (``e = inf``).  Seeding keeps each split independent of the other
+splits (a split program needs only its own tiles plus the anchor) while every tile is
+still compared with the tokens that most often hold a query's largest scores (the sink
+tokens, or for a local layer the most recent ones); a full restart at -inf compared a later
+split's tiles with a local maximum only and, measured, needed 3-400x larger lambdas for
+the same sparsity with 2-5x the mean error, where the seed matches the no-split rule on
+decodes (benchmarks/RESULTS-kernels.md).
+Cost: a program or walk that does not start at the anchor reads the anchor's K tile and
+computes its Q.K^T once more up front (one extra K tile: a split-KV decode program after
+the first split; every windowed query tile, 1/9 more Q.K^T for a 512-token window).
 
 Serving mode with threshold ``lambda`` leaves skippable tiles out of the softmax (no
 exp, no V read, no P.V), so the output is the softmax over all visible positions of the
@@ -97,7 +108,7 @@ TILE_K = 64
 #: 8 * 32768 / 1024 = 256 programs on a 132-SM GPU (H100/H200), ~2 per SM, so every SM
 #: has work and a second program to hide memory latency; 2048 would be 128 programs and
 #: leave 4 SMs idle with nothing to overlap.  The seed costs every split program after the
-#: first one extra K tile (tile 0) and its Q.K^T: 1/16 of the K reads at 1024, 1/8 at 512
+#: first one extra K tile (the anchor) and its Q.K^T: 1/16 of the K reads at 1024, 1/8 at 512
 #: (which would only add programs beyond the ~2 per SM that already fill the GPU, and
 #: double the fp32 split partials [S, splits, Hq, D] a captured graph keeps).  With the
 #: seed, the split length barely trades accuracy any more (benchmarks/RESULTS-kernels.md,

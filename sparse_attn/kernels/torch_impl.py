@@ -3,10 +3,13 @@
 Sequences are processed in groups: a sequence with more than ``TILE_Q`` queries is a
 group of its own (its query tiles share every K/V tile), shorter ones are batched by
 ``next_pow2(q_len)`` (decode is the ``q_len = 1`` group).  Each sequence walks its
-visited KV tiles from its first query tile's anchor (tile 0 without a sliding window, the
-first tile of the window with one), so a windowed decode reads its window only.  Inside a
-group the loop runs over *chunks* of consecutive walked tiles, vectorised over all
-(sequence, query tile, head) (:meth:`_Group.chunk`):
+visited KV tiles from the first tile its first query tile visits (tile 0 without a sliding
+window, the first tile of the window with one), so a windowed decode reads its window
+only.  The rule's anchor is tile 0 without a window, whose maxima seed the running max as
+the walk reads it; with one it is each query tile's diagonal tile, whose maxima are
+computed before the walk (:meth:`_Group._diagonal_seed`: one more K tile per query tile).
+Inside a group the loop runs over *chunks* of consecutive walked tiles, vectorised over
+all (sequence, query tile, head) (:meth:`_Group.chunk`):
 
 1. gather the chunk's K through the block table, ``S = Q K^T`` for every visited pair
    (needed anyway: the skip test reads the tile maxima), soft-cap, mask; K is gathered
@@ -101,7 +104,7 @@ class _Group:
     head-in-group, row) order, so one KV head's rows of a sequence are one contiguous
     matrix.  Sequences are ordered by walked tiles, longest first, so the sequences still
     walking at a chunk are a prefix; tile indices in a chunk are relative to each
-    sequence's ``base`` (the anchor of its first query tile).
+    sequence's ``base`` (the first tile its first query tile visits).
     """
 
     def __init__(self, batch, spec, meta, block_table, seqs, rows, threshold, lams, tiles_per_split):
@@ -111,7 +114,7 @@ class _Group:
         self.sink_logits, self.v_scale = spec.sink_logits, spec.v_scale
         w = self.window
         walk = {}
-        for s in seqs:                  # host ints: the first query tile's anchor .. the last tile
+        for s in seqs:                  # host ints: the first query tile's first tile .. the last tile
             kv, q_len = meta.seq_lens[s], meta.q_lens[s]
             base = max(0, kv - q_len - w + 1) // TILE_K if w is not None else 0
             walk[s] = (base, (kv - 1) // TILE_K - base + 1)
@@ -142,14 +145,16 @@ class _Group:
         pos = kv[:, None] - q_len[:, None] + last_row                           # each row's position
         limit = pos if spec.causal else (kv - 1)[:, None].expand(-1, nq * rows)
         lo = (pos - w + 1).clamp(min=0) if w is not None else torch.zeros_like(limit)
-        # Walked tiles per query tile, relative to base: first (the anchor) .. last.
+        # Walked tiles per query tile, relative to base: first .. last (the anchor is first
+        # without a window, last with one).
         self.first = lo.view(b_all, nq, rows).amin(-1) // TILE_K - self.base[:, None]     # [B, nq]
         self.last = limit.view(b_all, nq, rows).amax(-1) // TILE_K - self.base[:, None]   # [B, nq]
         self.limit_min_qt = limit.view(b_all, nq, rows).amin(-1)                # [B, nq] absolute
         self.lo_max_qt = lo.view(b_all, nq, rows).amax(-1)
         per_row = lambda x: x.view(b_all, nq, 1, rows).expand(-1, -1, self.g, -1).reshape(b_all, -1)
         self.lim_rows, self.lo_rows, self.valid_rows = per_row(limit), per_row(lo), per_row(self.row_valid)
-        # The anchor of each row's query tile, relative to base, per (B, M) row.
+        # Each row's query tile's first walked tile, relative to base, per (B, M) row (the
+        # anchor without a window).
         self.first_rows = self.first.view(b_all, nq, 1, 1).expand(-1, -1, self.g, rows).reshape(b_all, -1)
 
         hkv, g, d = self.hkv, self.g, self.d
@@ -158,11 +163,45 @@ class _Group:
             q.mul_(spec.k_scale)                            # k_scale folds into the logit scale
         self.q = q.view(b_all, nq, rows, hkv, g, d).permute(3, 0, 1, 4, 2, 5).reshape(hkv, b_all, -1, d)
         shape = self.q.shape[:3]
-        self.m_dense = torch.full(shape, _NEG_INF)
-        self.m_seed = torch.full(shape, _NEG_INF)       # the anchors' maxima, set where an anchor is read
+        # The anchors' maxima: a windowed query tile's anchor is its last tile, so they are
+        # computed before the walk (the running max starts from them); tile 0's are set when
+        # the walk reads it.
+        self.m_seed = self._diagonal_seed() if self.window is not None and self.test \
+            else torch.full(shape, _NEG_INF)
+        self.m_dense = self.m_seed.clone()
         self.m_ref = torch.full(shape, _NO_REF)
         self.l_sum = torch.zeros(shape)
         self.acc = torch.zeros(self.q.shape)
+
+    def _diagonal_seed(self) -> torch.Tensor:
+        """The rule's seed of windowed rows: each row's maxima over its query tile's anchor,
+        the tile ``last`` (its diagonal tile), -inf where the row sees nothing of it; fp32
+        ``[Hkv, B, M]``.  One Q.K^T of one K tile per (sequence, query tile), in chunks of
+        query tiles whose scores stay within the chunk budget."""
+        hkv, g, d, rows, b_all, nq = self.hkv, self.g, self.d, self.rows, self.b_all, self.nq
+        per_qt = g * rows
+        seed = torch.full((hkv, b_all, nq, per_qt), _NEG_INF)
+        walked = self.last >= self.first                                        # [B, nq] query tiles with rows
+        pairs = walked.nonzero()
+        if pairs.numel() == 0:
+            return seed.view(hkv, b_all, -1)
+        plan = self.k_reader.plan(b_all, 0, max(self.n_walk), self.base)
+        q = self.q.view(hkv, b_all, nq, per_qt, d)
+        lim = self.lim_rows.view(b_all, nq, per_qt)
+        lo = self.lo_rows.view(b_all, nq, per_qt)
+        step = max(1, min(_SCORE_BUDGET // (per_qt * TILE_K), _KV_BUDGET // (TILE_K * d)))   # per KV head
+        for i in range(0, pairs.shape[0], step):
+            bs, qts = pairs[i:i + step, 0], pairs[i:i + step, 1]
+            tile = self.last[bs, qts]                                           # relative to base
+            cols = (self.base[bs] + tile)[:, None, None] * TILE_K + torch.arange(TILE_K)   # [n, 1, 64]
+            hide = (cols > lim[bs, qts, :, None]) | (cols < lo[bs, qts, :, None])         # [n, per_qt, 64]
+            for h in range(hkv):
+                k = self.k_reader.read_tiles(plan, bs, tile, h)                 # [n, 64, D]
+                sc = torch.matmul(q[h, bs, qts], k.transpose(1, 2))             # [n, per_qt, 64]
+                if self.cap is not None:
+                    sc.div_(self.cap).tanh_().mul_(self.cap)
+                seed[h, bs, qts] = sc.masked_fill_(hide, _NEG_INF).amax(-1)
+        return seed.view(hkv, b_all, -1)
 
     def run(self, skipped: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Walk every chunk, then normalise into ``out``; returns the visited-tile count (per head)."""
@@ -256,12 +295,13 @@ class _Group:
         running max, ratios, counts; returns the serving skip mask ``[Hkv, b, nqa, g, c]``."""
         hkv, g, rows = self.hkv, self.g, self.rows
         row_lo, row_hi = qt_lo * g * rows, (qt_lo + nqa) * g * rows
-        anchor = self.first_rows[:b, row_lo:row_hi] - t0                        # [b, M] chunk-relative
-        here = (anchor >= 0) & (anchor < c)
-        if bool(here.any()):      # rows whose anchor is in this chunk: its maxima are their seed
-            at = tile_max.gather(-1, anchor.clamp(0, c - 1).expand(hkv, -1, -1).unsqueeze(-1)).squeeze(-1)
-            seed = self.m_seed[:, :b, row_lo:row_hi]
-            seed.copy_(torch.where(here, at, seed))
+        if self.window is None:   # tile 0 anchors: its maxima are the seed once the walk reads it
+            anchor = self.first_rows[:b, row_lo:row_hi] - t0                    # [b, M] chunk-relative
+            here = (anchor >= 0) & (anchor < c)
+            if bool(here.any()):
+                at = tile_max.gather(-1, anchor.clamp(0, c - 1).expand(hkv, -1, -1).unsqueeze(-1)).squeeze(-1)
+                seed = self.m_seed[:, :b, row_lo:row_hi]
+                seed.copy_(torch.where(here, at, seed))
         phase = (self.base[:b] + t0) % self.tiles_per_split
         phase = int(phase[0]) if bool((phase == phase[0]).all()) else phase
         md = self.m_dense[:, :b, row_lo:row_hi]
@@ -274,7 +314,8 @@ class _Group:
         e = torch.where(self.valid_rows[:b, row_lo:row_hi, None], e, 0.0)
         ratio = e.view(hkv, b, nqa, g, rows, c).amax(4)                         # [Hkv, b, nqa, g, c]
         tiles = torch.arange(t0, t0 + c)
-        countable = (vis & (tiles != self.first[:b, qt_lo:qt_lo + nqa, None])).view(1, b, nqa, 1, c)  # not the anchor
+        anchor = self.last if self.window is not None else self.first
+        countable = (vis & (tiles != anchor[:b, qt_lo:qt_lo + nqa, None])).view(1, b, nqa, 1, c)  # not the anchor
         if self.lams is not None:
             r_c = torch.where(countable, ratio, float("inf"))
             hits = r_c.unsqueeze(0) < self.lams[:, :b].reshape(-1, 1, b, 1, 1, 1)
@@ -317,12 +358,14 @@ def _split_cummax(tile_max, md, seed, phase, tiles_per_split):
     seed (the anchors' maxima) at every split boundary.
 
     ``tile_max`` [Hkv, b, M, c] holds a chunk of ``c`` walked tiles; ``md`` [Hkv, b, M] is
-    the running max carried in from the walked tiles before the chunk (-inf before the
-    first chunk); ``seed`` [Hkv, b, M] the anchors' maxima; ``phase`` the position of the
-    chunk's first tile in its split (an int, or long [b] when sequences differ).  Returns
-    ``(m_before [Hkv, b, M, c], m_after [Hkv, b, M])``.  A boundary at or before a row's
-    anchor restarts from the seed too: harmless, the anchor is never skippable and its own
-    maxima are the seed, so every later m_before is the same.
+    the running max carried in from the walked tiles before the chunk (before the first
+    chunk: the seed of windowed rows, -inf while tile 0 is not read yet); ``seed`` [Hkv, b, M] the
+    anchors' maxima; ``phase`` the position of the chunk's first tile in its split (an int,
+    or long [b] when sequences differ).  Returns ``(m_before [Hkv, b, M, c], m_after
+    [Hkv, b, M])``.  A boundary at or before a row's first visited tile restarts from the
+    seed too: harmless, the row sees nothing of earlier tiles (-inf), so its running max is
+    the seed there anyway (with the tile-0 anchor: the anchor is never skippable and its
+    own maxima are the seed).
     """
     c, tps = tile_max.shape[-1], tiles_per_split
     if isinstance(phase, int) and phase + c <= tps:      # one split: no boundary except maybe at the start

@@ -10,9 +10,11 @@ The kernels are in :mod:`.triton_kernels`; this module decides their launch.
   batch grows, so the grid and the fp32 partials ``[S, P, Hq, D]`` never grow with the
   block table's width (``max_model_len``): a program loops over as many splits as its
   sequence has, restarting the dense running max from the anchor's maxima at each.  A
-  program that starts after the anchor reads the anchor's K tile once more for that seed.
+  program that does not start at the anchor (tile 0; a windowed row's diagonal tile) reads
+  the anchor's K tile once more for that seed.
   With ``P == 1`` there are no partials and no merge.  Counts do not depend on ``P``.
-- *prefill* (anything else): one program per query tile walks all of its tiles.
+- *prefill* (anything else): one program per query tile walks all of its tiles (a windowed
+  one first computes its diagonal anchor's maxima, the seed of its walk).
 
 Capture safety
 --------------

@@ -12,7 +12,9 @@ rule splits of its sequence (``num_programs(2)`` programs share them) and writes
 unnormalised partial (accumulator, exp reference, row sum) that
 :func:`merge_splits_kernel` combines by log-sum-exp; otherwise the program walks all of
 its query tile's tiles and writes the output.  Two running maxima per row: the dense one
-of the rule (every visited tile; restarted from the anchor's maxima at split boundaries)
+of the rule (every visited tile; starting from the anchor's maxima, the seed, and
+restarted from them at split boundaries; a windowed query tile's anchor is its diagonal
+tile, so its programs compute the seed before walking)
 and the exp reference (kept tiles only).  Lambdas are read from per-sequence fp32 arrays
 (``LAM[seq]`` serving, ``THRESH[seq, :]`` counting), so changing them never recompiles.
 """
@@ -92,11 +94,17 @@ def paged_attn_kernel(
         last = (kv_len - 1) // BLOCK_N
     if WINDOW:
         lo = tl.maximum(pos - window + 1, 0)
-        first = tl.maximum(kv_len - q_len + row0 - window + 1, 0) // BLOCK_N    # the anchor
+        first = tl.maximum(kv_len - q_len + row0 - window + 1, 0) // BLOCK_N
     else:
         lo = tl.zeros([ROWS], dtype=tl.int32)
         first = 0
     last = tl.where(row0 < q_len, last, first - 1)                             # nothing to walk
+    # The anchor (never skipped, its maxima seed the running max): the diagonal tile of a
+    # windowed query tile, tile 0 otherwise.
+    if WINDOW:
+        anchor = last
+    else:
+        anchor = first
     if SPLIT:
         # Whole rule splits, a contiguous run per program: splits first // tps .. last // tps.
         j_first = first // tiles_per_split
@@ -117,7 +125,6 @@ def paged_attn_kernel(
     if SCALE_PTRS:
         qk_scale = scale * tl.load(K_SCALE).to(tl.float32)
 
-    m_dense = tl.full([ROWS], float("-inf"), tl.float32)
     m_ref = tl.full([ROWS], float("-inf"), tl.float32)
     l_sum = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
@@ -127,12 +134,13 @@ def paged_attn_kernel(
         thresh = tl.load(THRESH + seq * BLOCK_T + offs_t, mask=offs_t < num_thresh, other=-1.0)
     skip_cnt = tl.zeros([HEADS, BLOCK_T], tl.int32)
 
-    # The anchor's maxima seed the dense running max of every later split (the rule).  A
-    # program starting after the anchor computes them first: one extra K tile and Q.K^T.
+    # The anchor's maxima seed the dense running max, and every later split restarts from
+    # them (the rule).  A program that does not start at the anchor (a windowed one, or a
+    # split program after the first) computes them first: one extra K tile and Q.K^T.
     m_seed = tl.full([ROWS], float("-inf"), tl.float32)
-    if t_lo > first:
+    if t_lo != anchor:
         if t_lo < t_hi:
-            cols0 = first * BLOCK_N + tl.arange(0, BLOCK_N)
+            cols0 = anchor * BLOCK_N + tl.arange(0, BLOCK_N)
             col0_ok = cols0 < kv_len
             blk0 = tl.load(BT + seq * stride_bts + (cols0 // page_size) * stride_btb, mask=col0_ok,
                            other=0).to(tl.int64)
@@ -141,6 +149,7 @@ def paged_attn_kernel(
             s0 = _logits(q, k0, qk_scale, soft_cap, SOFT_CAP, FP32_DOT)
             seen0 = col0_ok[None, :] & (cols0[None, :] <= limit[:, None]) & (cols0[None, :] >= lo[:, None])
             m_seed = tl.max(tl.where(seen0, s0, float("-inf")), 1)
+    m_dense = m_seed
 
     for t in range(t_lo, t_hi):
         cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -153,10 +162,10 @@ def paged_attn_kernel(
         seen = col_ok[None, :] & (cols[None, :] <= limit[:, None]) & (cols[None, :] >= lo[:, None])
         s = tl.where(seen, s, float("-inf"))
         tile_max = tl.max(s, 1)
-        m_seed = tl.where(t == first, tile_max, m_seed)
-        # The rule's dense running max restarts from the anchor's maxima at every later split
-        # boundary; the anchor itself is never skippable (+inf).
-        m_dense = tl.where(((t % tiles_per_split) == 0) & (t != first), m_seed, m_dense)
+        m_seed = tl.where(t == anchor, tile_max, m_seed)
+        # The rule's dense running max restarts from the anchor's maxima at every split
+        # boundary after the anchor; the anchor itself is never skippable (+inf).
+        m_dense = tl.where(((t % tiles_per_split) == 0) & (t != anchor), m_seed, m_dense)
         # A row that sees nothing of the tile does not vote (0), one whose running max is
         # still empty keeps it (inf); no -inf - -inf is ever computed.
         no_max = m_dense == float("-inf")
@@ -164,7 +173,7 @@ def paged_attn_kernel(
         e = tl.where(tile_max == float("-inf"), 0.0, tl.where(no_max, float("inf"), e))
         ratio = tl.where(row_ok, e, 0.0)
         ratio_h = tl.max(tl.where(same_head, ratio[None, :], 0.0), 1)             # [HEADS]
-        ratio_h = tl.where(t == first, float("inf"), ratio_h)
+        ratio_h = tl.where(t == anchor, float("inf"), ratio_h)
         m_dense = tl.maximum(m_dense, tile_max)
         if COUNT:
             skip_cnt += ((ratio_h[:, None] < thresh[None, :]) & prog_head_ok[:, None]).to(tl.int32)

@@ -3,8 +3,9 @@
 Shared by the kernel tests and ``benchmarks/gpu_check.py`` (which runs where pytest may
 not be installed, hence no pytest import here).  Dense attention is float64 softmax on
 K/V gathered token by token; the sparse reference walks every (query head, query tile,
-KV tile) in Python loops and applies the documented skip rule: KV splits (each later
-split's running max seeded with the anchor tile's maxima), sliding windows, logit
+KV tile) in Python loops and applies the documented skip rule: the anchor tile (tile 0,
+or the diagonal tile of a windowed query tile) and KV splits (the running max starts from,
+and each later split restarts from, the anchor's maxima), sliding windows, logit
 soft-cap, learned sink logits, fp8 caches with per-tensor scales.
 """
 
@@ -91,6 +92,31 @@ def add_sink_token(batch, strength=3.0, every=None):
     return dataclasses.replace(batch, query=q + u)
 
 
+RAMP_TILES = 16
+
+
+def add_recency(batch, per_tile=3.0, k_scale=1.0, scale=1.0):
+    """Make every query prefer recent keys, as a local (windowed) layer does: key dimension 1
+    becomes a ramp that is 0 at each sequence's last position and falls by ``per_tile``
+    nats of logit per ``TILE_K`` positions before it (for a layer of logit ``scale`` and
+    ``k_scale``), flat from ``RAMP_TILES`` tiles back (an fp8 e4m3 cache stays within its
+    range), and the queries get +4 on dimension 1 (so every row sees the ramp with the same
+    sign).  A windowed query tile near the end then has its largest scores in its diagonal
+    tile, and the rule's diagonal anchor lets its older tiles be skipped."""
+    q, k, bt, seq_lens = batch.query, batch.key_cache, batch.block_table, batch.seq_lens
+    page, lift = k.shape[1], 4.0
+    slope = per_tile / (TILE_K * lift * float(scale) * float(k_scale))        # stored key units per position
+    for s in range(len(seq_lens)):
+        n = int(seq_lens[s])
+        pos = torch.arange(n)
+        blk = bt[s].long()[pos // page]
+        age = (n - 1 - pos).clamp(max=RAMP_TILES * TILE_K).float()
+        k[blk, pos % page, :, 1] = (-age * slope)[:, None].to(k.dtype)
+    u = torch.zeros(q.shape[-1], dtype=q.dtype)
+    u[1] = lift
+    return dataclasses.replace(batch, query=q + u)
+
+
 def gather_seq(cache, bt, s, n):
     page = cache.shape[1]
     pos = torch.arange(n)
@@ -142,15 +168,18 @@ def reference(batch, spec, lam=0.0, thresholds=(), split_k=SPLIT_K):
                 r0, r1 = qt * TILE_Q, min(q_len, (qt + 1) * TILE_Q)
                 seen = allowed[r0:r1].nonzero()[:, 1]
                 first, last = int(seen.min()) // TILE_K, int(seen.max()) // TILE_K
-                m = torch.full((r1 - r0,), float("-inf"), dtype=torch.float64)
-                seed = scores[r0:r1, first * TILE_K:min(n, (first + 1) * TILE_K)].amax(1)   # the anchor's maxima
+                # The anchor: the diagonal tile with a window, tile first (= 0) without; its
+                # maxima (-inf for a row that sees nothing of it) seed the running max.
+                anchor = last if w is not None else first
+                seed = scores[r0:r1, anchor * TILE_K:min(n, (anchor + 1) * TILE_K)].amax(1)
+                m = seed.clone()
                 for t in range(first, last + 1):
                     c0, c1 = t * TILE_K, min(n, (t + 1) * TILE_K)
                     tmax = scores[r0:r1, c0:c1].amax(1)
                     visited[h] += 1
                     if t > first and c0 % split_k == 0:               # a later split opens: the seed
                         m = seed.clone()
-                    if t == first:
+                    if t == anchor:
                         ratio = math.inf                              # the anchor is never skipped
                     else:
                         # A row that sees nothing of the tile does not vote (0); one that sees

@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 
 from sparse_attn.kernels import TILE_K, TILE_Q, LayerSpec, paged_attention, paged_attention_counts  # noqa: E402
 
-from .kernel_reference import add_sink_token, make_batch, reference  # noqa: E402
+from .kernel_reference import add_recency, add_sink_token, make_batch, reference  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
     pytest.skip("needs TRITON_INTERPRET=1 or a GPU", allow_module_level=True)
@@ -83,6 +83,8 @@ def _problem(row, seed=0):
     # Peaks every 192 positions: windowed rows (which never see position 0) still have
     # tiles that dominate others, so the lambdas below skip something in every row.
     batch = add_sink_token(batch, strength=2.5 / k_scale ** 0.5, every=192)
+    if window:      # windowed rows prefer recent keys (the diagonal anchor then has tiles to skip)
+        batch = add_recency(batch, k_scale=k_scale, scale=2.0 * D ** -0.5)
     if kv == "e5m2":
         k_scale, v_scale = torch.tensor([k_scale]), torch.tensor(v_scale)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -161,14 +163,80 @@ def test_window_of_one_token_returns_each_rows_own_value():
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton", "compiled"])
-def test_window_covering_the_sequence_is_full_attention(impl):
+def test_window_covering_the_sequence_sees_what_full_attention_sees(impl):
+    """A window longer than every sequence hides nothing: the dense output and the visited
+    tiles are full attention's.  Its skip test is still the windowed layer's (the anchor is
+    a property of the layer: the diagonal tile, not tile 0), so under a lambda its skips
+    are the float64 reference's for the windowed spec."""
     batch = add_sink_token(make_batch([300, 130, 40], [1, 130, 40], 4, 2, 16, 16, seed=3))
-    full = paged_attention(batch, LayerSpec(0.5), threshold=0.3, return_counts=True, impl=impl, split_k=128)
-    windowed = paged_attention(batch, LayerSpec(0.5, window=300), threshold=0.3, return_counts=True,
-                               impl=impl, split_k=128)
-    torch.testing.assert_close(windowed[0], full[0], atol=1e-6, rtol=1e-6)
-    assert windowed[1].tolist() == full[1].tolist() and windowed[2].tolist() == full[2].tolist()
-    assert int(full[1].sum()) > 0
+    full, windowed = LayerSpec(0.5), LayerSpec(0.5, window=300)
+    dense_full = paged_attention(batch, full, threshold=0.0, return_counts=True, impl=impl, split_k=128)
+    dense_win = paged_attention(batch, windowed, threshold=0.0, return_counts=True, impl=impl, split_k=128)
+    # fp32 rounding only: the compiled kernel visits a windowed item's anchor (here its last
+    # tile) first, so its online softmax adds the same terms in another order.
+    torch.testing.assert_close(dense_win[0], dense_full[0], atol=2e-5, rtol=1e-5)
+    assert dense_win[2].tolist() == dense_full[2].tolist()
+    ref, ref_sk, ref_vis, _ = reference(batch, windowed, lam=0.3, split_k=128)
+    out, sk, vis = paged_attention(batch, windowed, threshold=0.3, return_counts=True, impl=impl, split_k=128)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
+    assert sk.tolist() == ref_sk.tolist() and vis.tolist() == ref_vis.tolist() == dense_full[2].tolist()
+
+
+def _recent_keys_batch():
+    """Two sequences of a 512-token-window layer whose logits are set tile by tile (keys 0
+    except dimension 0, queries on dimension 0 only, scale 1), so every tile maximum is
+    known by hand.  Query head 0 has logit ``v[t]`` on KV tile ``t``, head 1 a tenth of it.
+
+    * A, a decode at position 639 (visits tiles 2 .. 9): ``v = 0`` except tile 5 (an old
+      peak, 5) and tile 9, its diagonal tile (the recent tokens, 3).
+    * B, a 104-query prefill at positions 600 .. 703 (kv 704): ``v = 0`` except tile 10
+      (3).  Its query tile 0 (positions 600 .. 663, tiles 1 .. 10) straddles the KV tile
+      boundary at 640: its rows 600 .. 639 see nothing of their anchor tile 10 (seed -inf);
+      its query tile 1 (664 .. 703) visits tiles 2 .. 10.
+    """
+    batch = make_batch([640, 704], [1, 104], 2, 1, D, PAGE, seed=40)
+    k, bt = batch.key_cache, batch.block_table
+    for s, (n, tiles) in enumerate(([640, {5: 5.0, 9: 3.0}], [704, {10: 3.0}])):
+        pos = torch.arange(n)
+        blk, off = bt[s].long()[pos // PAGE], pos % PAGE
+        k[blk, off] = 0.0
+        k[blk, off, 0, 0] = torch.tensor([tiles.get(int(p) // TILE_K, 0.0) for p in pos])
+    q = torch.zeros_like(batch.query)
+    q[:, 0, 0], q[:, 1, 0] = 1.0, 0.1
+    return dataclasses.replace(batch, query=q)
+
+
+#: Skips of query head 0 [lambda 0.5, lambda 0.03] per split length, by hand from the
+#: pattern with the diagonal anchor (head 1's ratios are all >= exp(-0.5) = 0.61: none).
+#: A (anchor tile 9, seed 3): lambda 0.5 skips tiles 2, 3, 4 (exp(0 - 3) = 0.050) and 6, 7, 8
+#: (exp(0 - 5) against the peak; with 256-position splits tile 8 restarts from the seed:
+#: 0.050, still skipped) = 6; lambda 0.03 only those tested against the peak: 6, 7, 8 = 3,
+#: or 6, 7 = 2 when tile 8 opens a split.  B's query tile 1 (seed 3): lambda 0.5 skips
+#: tiles 2 .. 9 = 8, lambda 0.03 none; its query tile 0: rows 600 .. 639 start at -inf
+#: (e = inf on their first visible tile, then exp(0 - 0) = 1 on the rest; a restart goes
+#: back to -inf), so it keeps all 10.  Visited: A 8, B 9 + 10.
+#: The window-start anchor (the old rule) would skip 4 (A: 6, 7, 8 and the diagonal tile 9,
+#: exp(3 - 5)) and 0 in B at lambda 0.5.
+RECENT_SKIPS = {1024: [14, 3], 256: [14, 2]}
+
+
+@pytest.mark.parametrize("split_k", sorted(RECENT_SKIPS), ids=lambda n: f"split{n}")
+@pytest.mark.parametrize("impl", ["torch", "triton", "compiled"])
+def test_diagonal_anchor_skips_old_window_tiles_counted_by_hand(impl, split_k):
+    """_common.py: a windowed query tile's anchor is its diagonal tile, whose maxima seed the
+    running max of every earlier tile (and of every split restart); a row that sees nothing
+    of the anchor tile starts at -inf and keeps its tiles.  Counts, serving skips and the
+    output against the pattern's hand count and the float64 reference."""
+    batch, spec = _recent_keys_batch(), LayerSpec(1.0, window=512)
+    want = [[RECENT_SKIPS[split_k][0], 0], [RECENT_SKIPS[split_k][1], 0]]
+    _, _, ref_vis, ref_thr = reference(batch, spec, thresholds=[0.5, 0.03], split_k=split_k)
+    assert ref_thr.tolist() == want and ref_vis.tolist() == [27, 27]
+    _, skipped, vis = paged_attention_counts(batch, spec, [0.5, 0.03], impl=impl, split_k=split_k)
+    assert skipped.tolist() == want and vis.tolist() == [27, 27], impl
+    ref = reference(batch, spec, lam=0.5, split_k=split_k)[0]
+    out, sk, _ = paged_attention(batch, spec, threshold=0.5, return_counts=True, impl=impl, split_k=split_k)
+    assert sk.tolist() == want[0], impl
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kv_programs", [1, 3, 64], ids=lambda n: f"max-programs{n}")

@@ -16,9 +16,11 @@
 //   skipped leaves its block out of exp and P.V, and the V tile is not read at all when
 //   every head of the item skips it.  The item walks its KV tiles in order (tile-major
 //   inner loop: Q, S and O of the item stay in L2 while K/V stream) with the rule's dense
-//   running max (restarted from the anchor's maxima at every later split) and one
-//   online-softmax accumulator: splits are an evaluation order in the rule, so one pass
-//   over all tiles gives the same result.
+//   running max (starting from the anchor's maxima, the seed, and restarted from them at
+//   every later split) and one online-softmax accumulator: splits are an evaluation order
+//   in the rule, so one pass over all tiles gives the same result.  The anchor is tile 0
+//   without a window and the item's diagonal tile with one; a windowed item visits its
+//   anchor first, so the seed is known before the tiles tested against it.
 
 #include <algorithm>
 #include <atomic>
@@ -221,8 +223,12 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
   const int nh = it.nh, M = nh * nr;
   const Rows rows{c.causal ? kv - ql + r0 : kv - 1, kv, c.causal ? c.window : 0, c.causal != 0};
   // Visited tiles first .. last: from the first position the first row sees to the last
-  // position the last row sees.  The anchor (tile first) is never skipped and seeds splits.
+  // position the last row sees.  The anchor is never skipped and its maxima seed the running
+  // max: tile first (= 0) without a window, the diagonal tile last with one.  A windowed item
+  // visits its anchor first (order anchor, first, .., last - 1): the output is the same single
+  // online softmax in any order, and the seed is then known before the tiles it is tested with.
   const int first_tile = int(rows.lo(0) / TILE_K), last_tile = int(rows.hi(nr - 1) / TILE_K);
+  const int anchor_tile = rows.window > 0 ? last_tile : first_tile;
   const int64_t lo_last = rows.lo(nr - 1), hi_first = rows.hi(0);
   float* Q = sc.q.data();
   float* Sb = sc.s.data();
@@ -252,7 +258,9 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
   const bool wide = M < WIDE_ROWS;
   PROF(P_Q);
 
-  for (int t = first_tile; t <= last_tile; ++t) {
+  for (int step = first_tile; step <= last_tile; ++step) {
+    // step first_tile visits the anchor; the later steps the other tiles in KV order.
+    const int t = step == first_tile ? anchor_tile : (anchor_tile == first_tile ? step : step - 1);
     const int64_t pos0 = int64_t(t) * TILE_K;
     const int ntok = int(std::min<int64_t>(TILE_K, kv - pos0));
     const int npanel = (ntok + PANEL - 1) / PANEL;
@@ -327,11 +335,11 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
     // ---- the skip rule (per head: every valid row of the query tile votes)
     for (int hh = 0; hh < nh; ++hh) keep[hh] = true;
     if (test) {
-      if (t == first_tile) {  // the anchor: never skipped, its maxima are the seed
+      if (t == anchor_tile) {  // the anchor, visited first: never skipped, its maxima are the seed
         std::copy(rowmax, rowmax + M, seed);
         std::copy(rowmax, rowmax + M, mdense);
       } else {
-        if (t % c.split_tiles == 0) std::copy(seed, seed + M, mdense);  // a later split opens
+        if (t % c.split_tiles == 0) std::copy(seed, seed + M, mdense);  // a split opens: restart
         for (int hh = 0; hh < nh; ++hh) {
           float diff = NEG_INF;  // max over voting rows of tile_max - m_before
           for (int r = hh * nr; r < (hh + 1) * nr; ++r) {
