@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from compat import envs
+from compat import envs, layouts
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,6 +80,7 @@ def render(report, invalid=()) -> str:
         lines.append("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:5])) + "  " + row[5])
     lines.append("")
     lines += [f"cuda graphs {name}: {b.graphs.describe()}" for name, b in report.backends.items() if b.graphs]
+    lines += [f"fp8 cache writes {name}: {layouts.fp8_rounding(b.layout)}" for name, b in report.backends.items() if b.layout]
     lines.append("")
     if report.overrides:
         lines.append("overrides: " + ", ".join(f"{k}={envs.cut(v)}" + (" (INVALID)" if k in invalid else "")

