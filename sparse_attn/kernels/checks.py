@@ -37,9 +37,11 @@ def check_split(split_k) -> int:
     return split_k
 
 
-def effective_lambda(scale_factor, kv_len):
+def effective_lambda(scale_factor, kv_len, window=None):
     """The serving threshold of one sequence: ``lambda = scale_factor / kv_len`` (the
-    TensorRT-LLM / ModelOpt rule), and the one home of "this sequence runs dense".
+    TensorRT-LLM / ModelOpt rule), or ``scale_factor / min(kv_len, window)`` for a layer
+    served by a sliding-window curve (``window`` tokens: the most keys a row sees), and the
+    one home of "this sequence runs dense".
 
     A sequence runs dense (lambda 0, which skips nothing) when ``scale_factor`` is
     ``None`` or ``kv_len <= 0``, or when lambda is not finite, ``<= 0`` or ``>= 1``:
@@ -48,17 +50,23 @@ def effective_lambda(scale_factor, kv_len):
 
     Host form: ``kv_len`` an int (tokens) -> a Python float.  Device form: ``kv_len`` a
     tensor of KV lengths (any shape, dtype and device) -> float32 tensor of that shape,
-    computed in float64 like the host form; no host read (capture-safe).
+    computed in float64 like the host form; no host read (capture-safe: ``window`` is a
+    host int, applied with ``clamp``).
     """
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+        raise ValueError(f"effective_lambda: window must be a positive number of tokens or None, got {window!r}")
     if isinstance(kv_len, torch.Tensor):
         if scale_factor is None:
             return torch.zeros(kv_len.shape, dtype=torch.float32, device=kv_len.device)
-        lam = float(scale_factor) / kv_len.to(torch.float64)
+        norm = kv_len.to(torch.float64)
+        if window is not None:
+            norm = norm.clamp(max=float(window))
+        lam = float(scale_factor) / norm
         dense = ~((lam > 0) & (lam < 1))          # also nan, inf (kv_len 0) and negative lengths
         return torch.where(dense, torch.zeros_like(lam), lam).to(torch.float32)
     if scale_factor is None or kv_len <= 0:
         return 0.0
-    lam = float(scale_factor) / kv_len
+    lam = float(scale_factor) / (min(kv_len, window) if window is not None else kv_len)
     return lam if 0 < lam < 1 else 0.0
 
 

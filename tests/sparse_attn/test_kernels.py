@@ -459,3 +459,26 @@ def test_effective_lambda_host_and_device_forms_agree(scale, kv_len, expected):
     device = effective_lambda(scale, torch.tensor([kv_len, kv_len], dtype=torch.int32))
     assert device.dtype == torch.float32 and device.shape == (2,)
     assert device.tolist() == [torch.tensor(expected, dtype=torch.float32).item()] * 2
+
+
+@pytest.mark.parametrize("scale, kv_len, window, expected", [
+    (128.0, 4096, 512, 0.25), (128.0, 256, 512, 0.5), (128.0, 512, 512, 0.25), (512.0, 4096, 512, 0.0),
+    (600.0, 4096, 512, 0.0), (128.0, 0, 512, 0.0), (None, 4096, 512, 0.0), (128.0, 4096, None, 128.0 / 4096),
+], ids=["beyond-window", "inside-window", "at-window", "lambda-1-at-window", "above-1", "empty-seq", "uncalibrated",
+        "no-window"])
+def test_effective_lambda_of_a_window_curve_divides_by_min_of_kv_len_and_window(scale, kv_len, window, expected):
+    """lambda = scale / min(kv_len, window) (the sliding-window curve's rule), host and device alike."""
+    from sparse_attn.kernels import effective_lambda
+
+    host = effective_lambda(scale, kv_len, window)
+    assert isinstance(host, float) and host == pytest.approx(expected, rel=1e-12)
+    device = effective_lambda(scale, torch.tensor([kv_len], dtype=torch.int32), window)
+    assert device.tolist() == [torch.tensor(expected, dtype=torch.float32).item()]
+
+
+@pytest.mark.parametrize("window", [0, -1, 2.5, True], ids=["zero", "negative", "float", "bool"])
+def test_effective_lambda_rejects_a_window_that_is_not_a_token_count(window):
+    from sparse_attn.kernels import effective_lambda
+
+    with pytest.raises(ValueError, match="window must be a positive number of tokens"):
+        effective_lambda(1.0, 100, window)
