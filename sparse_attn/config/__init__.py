@@ -29,6 +29,17 @@ At run time the skip threshold of a phase is::
     scale  = a * exp(b * target_sparsity)      # "threshold_scale_factor"
     lambda = scale / kv_len                     # what the kernel compares against
 
+Sliding-window layers may have their own curve, written by ``sparse-attn calibrate``
+for models that mix windowed and global layers (Gemma 2/3, gpt-oss), in the group key
+``sliding_window_threshold_scale_factor`` (same shape, same ``target_sparsity``)::
+
+    lambda = scale_w / min(kv_len, window)      # on a layer with a window of `window` tokens
+
+ModelOpt and TensorRT-LLM read the group keys they know and do not read this one, so for
+them the checkpoint holds one curve (``threshold_scale_factor``, fitted on the global
+layers) applied to every layer as ``scale / kv_len``. Without the key, sparse-attn does
+the same.
+
 Accepted input variants (all normalised to the layout above by ``to_dict``):
 
 * **Per-group layout** (current ModelOpt / TensorRT-LLM): ``algorithm``,
@@ -125,6 +136,7 @@ from .schema import (
     SkipSoftmaxGroup,
     SparseAttentionConfig,
     UnservedGroup,
+    WINDOW_CURVE_KEY,
 )
 
 __all__ = [
@@ -148,6 +160,7 @@ __all__ = [
     "StartupRefused",
     "SparseAttentionConfigError",
     "UnservedGroup",
+    "WINDOW_CURVE_KEY",
     "is_modelopt_section",
     "load_from_checkpoint",
     "parse_sparse_attention_config",

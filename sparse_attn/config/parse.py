@@ -27,6 +27,7 @@ from .schema import (
     SkipSoftmaxGroup,
     SparseAttentionConfig,
     UnservedGroup,
+    WINDOW_CURVE_KEY,
     algorithm_key,
     check_target,
     group_algorithm,
@@ -326,6 +327,9 @@ def _parse_section(section: Mapping[str, Any], source: str | None) -> tuple[Spar
 
     tsf_value, tsf_path = pick(("threshold_scale_factor",))
     formula, fits = _parse_scale_factor(tsf_value, tsf_path, source)
+    window_formula, window_fits = DEFAULT_FORMULA, None
+    if group.get(WINDOW_CURVE_KEY) is not None:  # sparse-attn's own key, only in the group (never legacy)
+        window_formula, window_fits = _parse_scale_factor(group[WINDOW_CURVE_KEY], f"{gpath}.{WINDOW_CURVE_KEY}", source)
     tgt_value, tgt_path = pick(("target_sparsity", "target_sparse_ratio"))
     targets = _parse_targets(tgt_value, tgt_path, source)
 
@@ -346,6 +350,8 @@ def _parse_section(section: Mapping[str, Any], source: str | None) -> tuple[Spar
         ignore=pattern_list(group.get("ignore"), f"{gpath}.ignore", source),
         formula=formula,
         fits=fits,
+        window_fits=window_fits,
+        window_formula=window_formula,
         target_sparsity=targets,
         extra={k: copy.deepcopy(v) for k, v in group.items() if k not in GROUP_KNOWN_KEYS},
     )

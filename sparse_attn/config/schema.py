@@ -17,7 +17,7 @@ from .targeting import group_matches
 
 __all__ = [
     "DEFAULT_FORMULA", "DEFAULT_TARGET_SPARSITY", "DISABLE_HINT", "GROUP_KNOWN_KEYS", "LN_SCALE_BOUND", "LOG_FORMULA",
-    "SECTION_KEY", "SECTION_KNOWN_KEYS", "SUPPORTED_ALGORITHMS", "SUPPORTED_FORMULAS", "PhaseFit", "Producer",
+    "SECTION_KEY", "SECTION_KNOWN_KEYS", "SUPPORTED_ALGORITHMS", "WINDOW_CURVE_KEY", "SUPPORTED_FORMULAS", "PhaseFit", "Producer",
     "SkipSoftmaxGroup", "SparseAttentionConfig", "UnservedGroup", "algorithm_key", "check_phase", "check_target",
     "group_algorithm", "is_number", "normalise_formula", "number",
 ]
@@ -40,8 +40,17 @@ LN_SCALE_BOUND = 700.0
 #: How a user switches the plugin off when a start-up error blocks serving.
 DISABLE_HINT = "or set SPARSE_ATTN_DISABLE=1 to serve with native attention"
 
+#: The group key of the curve of sliding-window layers (sparse-attn's own; ModelOpt and
+#: TensorRT-LLM read the group's keys they know and ignore this one). Same shape as
+#: ``threshold_scale_factor``; on a windowed layer ``lambda = scale / min(kv_len, window)``.
+#: Why a second curve: on Gemma-3-270M at a 50 % decode target one pooled ``scale / kv_len``
+#: curve gives global / windowed layers 65.5 % / 35.3 % on held-out prompts, a curve per kind
+#: normalised by ``min(kv_len, window)`` 51.9 % / 46.4 % (``benchmarks/window_lambda_heldout.py``).
+WINDOW_CURVE_KEY = "sliding_window_threshold_scale_factor"
+
 GROUP_KNOWN_KEYS = {
     "algorithm",
+    WINDOW_CURVE_KEY,
     "sparse_algo",
     "targets",
     "ignore",
@@ -91,8 +100,14 @@ class SkipSoftmaxGroup:
     target_sparsity: Mapping[str, float] = field(default_factory=dict, hash=False)
     #: keys of the group we do not interpret (e.g. ``initial_disabled_steps``), kept verbatim
     extra: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    #: the sliding-window layers' own curve (``WINDOW_CURVE_KEY``); ``None`` = none written, and
+    #: windowed layers use ``fits`` with ``lambda = scale / kv_len`` (TensorRT-LLM's rule)
+    window_fits: Mapping[str, PhaseFit] | None = field(default=None, hash=False)
+    window_formula: str = DEFAULT_FORMULA
 
     def __post_init__(self) -> None:
+        if self.window_fits is not None:
+            object.__setattr__(self, "window_fits", MappingProxyType(dict(self.window_fits)))
         for name in ("fits", "target_sparsity", "extra"):
             object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
 
@@ -163,6 +178,26 @@ class SparseAttentionConfig:
         return tuple(p for p in PHASES if p in self.group.fits)
 
     @property
+    def has_window_curve(self) -> bool:
+        """Whether the group carries the sliding-window layers' own curve (``WINDOW_CURVE_KEY``)."""
+        return self.group.window_fits is not None
+
+    def curve(self, windowed: bool = False) -> Mapping[str, PhaseFit]:
+        """The per-phase coefficients a layer uses: the window curve for a sliding-window layer
+        when the group has one, else ``threshold_scale_factor``'s."""
+        if windowed and self.group.window_fits is not None:
+            return self.group.window_fits
+        return self.group.fits
+
+    def _curves(self) -> tuple[tuple[str, Mapping[str, PhaseFit]], ...]:
+        """(key path, fits) of each curve the group carries, main first."""
+        g = self.group
+        main = (f"{SECTION_KEY}.config_groups.{g.name}.threshold_scale_factor", g.fits)
+        if g.window_fits is None:
+            return (main,)
+        return main, (f"{SECTION_KEY}.config_groups.{g.name}.{WINDOW_CURVE_KEY}", g.window_fits)
+
+    @property
     def warnings(self) -> tuple[str, ...]:
         """Human-readable notes worth logging once: missing phases, defaulted targets,
         curves that do not grow with the target, groups we do not serve."""
@@ -175,20 +210,27 @@ class SparseAttentionConfig:
                 f"{SECTION_KEY}: no calibrated threshold for the {phase} phase; it runs dense "
                 f"(re-run `sparse-attn calibrate` to calibrate it)"
             )
-        for phase in self.calibrated_phases:
-            if phase not in self.group.target_sparsity:
+        if self.group.window_fits is not None:
+            for phase in PHASES:
+                if phase not in self.group.window_fits:
+                    notes.append(
+                        f"{SECTION_KEY}.config_groups.{self.group.name}.{WINDOW_CURVE_KEY} has no {phase} curve; "
+                        f"sliding-window layers run the {phase} phase dense (re-run `sparse-attn calibrate`)"
+                    )
+        for phase in PHASES:
+            if phase not in self.group.target_sparsity and any(phase in fits for _, fits in self._curves()):
                 notes.append(
                     f"{SECTION_KEY}: no target_sparsity for the {phase} phase; "
                     f"using the default {DEFAULT_TARGET_SPARSITY}"
                 )
-        for phase in self.calibrated_phases:
-            b = self.group.fits[phase].b
-            if b <= 0:
-                notes.append(
-                    f"{self._tsf_path(phase)}.b is {b!r}: the scale factor does not grow with target_sparsity, "
-                    f"so no target makes the {phase} phase skip more tiles than at target 0 (a calibrated curve "
-                    f"has b > 0). Fix: re-run `sparse-attn calibrate`"
-                )
+        for path, fits in self._curves():
+            for phase in PHASES:
+                if phase in fits and fits[phase].b <= 0:
+                    notes.append(
+                        f"{path}.{phase}.b is {fits[phase].b!r}: the scale factor does not grow with target_sparsity, "
+                        f"so no target makes the {phase} phase skip more tiles than at target 0 (a calibrated curve "
+                        f"has b > 0). Fix: re-run `sparse-attn calibrate`"
+                    )
         notes.extend(self.suspect_keys)
         notes.extend(g.message() for g in self.unserved_groups)
         return tuple(notes)
@@ -217,62 +259,79 @@ class SparseAttentionConfig:
     def never_skip_warnings(self, max_kv_len: int | None) -> tuple[str, ...]:
         """Phases that can never skip a tile at any KV length up to ``max_kv_len`` tokens.
 
-        The kernel skips only where ``lambda = scale / kv_len < 1``, so a phase
-        whose scale factor at its target is ``>= max_kv_len`` runs dense for every
+        The kernel skips only where ``lambda = scale / kv_len < 1`` (``scale / min(kv_len,
+        window)`` on a layer served by the window curve, never a larger normaliser), so a
+        phase whose scale factor at its target is ``>= max_kv_len`` runs dense for every
         request the model can take. ``max_kv_len`` is the longest KV length served
         (the worker's ``max_model_len``; before start-up ``--max-model-len`` or
         ``compat.launch.model_length_limit``); None skips the check.
         """
         notes = []
-        for phase in self.never_skipping_phases(max_kv_len):
+        main = self._curves()[0][0]
+        for path, phase, scale in self._never_skipping(max_kv_len):
             target = self.effective_target(phase)
-            scale = self.scale_factor(phase)
+            rule, layers = ("scale / kv_len", "") if path == main else \
+                ("scale / min(kv_len, window)", " of the sliding-window layers")
             notes.append(
-                f"{self._tsf_path(phase)}: at target_sparsity {target:g} the {phase} scale factor is {scale:.4g}, "
-                f"so lambda = scale / kv_len >= 1 for every KV length up to {max_kv_len} tokens and the {phase} "
-                f"phase never skips a tile (it runs dense). Fix: lower target_sparsity, or re-run "
+                f"{path}.{phase}: at target_sparsity {target:g} the {phase} scale factor is {scale:.4g}, "
+                f"so lambda = {rule} >= 1 for every KV length up to {max_kv_len} tokens and the {phase} "
+                f"phase{layers} never skips a tile (it runs dense). Fix: lower target_sparsity, or re-run "
                 f"`sparse-attn calibrate` on this model"
             )
         return tuple(notes)
 
     def never_skipping_phases(self, max_kv_len: int | None) -> tuple[str, ...]:
-        """The calibrated phases whose scale factor at their target is ``>= max_kv_len`` (tokens):
-        ``lambda = scale / kv_len >= 1`` at every KV length served, which the kernels run dense
-        (``kernels.checks.effective_lambda``). A target beyond the sparsity calibration observed
-        extrapolates the curve there. None / non-positive ``max_kv_len``: none (unknown length)."""
-        if max_kv_len is None or isinstance(max_kv_len, bool) or not isinstance(max_kv_len, int) or max_kv_len <= 0:
-            return ()
-        return tuple(p for p in self.calibrated_phases
-                     if (scale := self.scale_factor(p)) is not None and scale >= max_kv_len)
+        """The phases of the main curve (``threshold_scale_factor``) whose scale factor at their target is
+        ``>= max_kv_len`` (tokens): ``lambda = scale / kv_len >= 1`` at every KV length served, which the
+        kernels run dense (``kernels.checks.effective_lambda``). A target beyond the sparsity calibration
+        observed extrapolates the curve there. None / non-positive ``max_kv_len``: none (unknown length)."""
+        main = self._curves()[0][0]
+        return tuple(phase for path, phase, _ in self._never_skipping(max_kv_len) if path == main)
 
-    def _tsf_path(self, phase: str) -> str:
-        return f"{SECTION_KEY}.config_groups.{self.group.name}.threshold_scale_factor.{phase}"
+    def _never_skipping(self, max_kv_len: int | None) -> list[tuple[str, str, float]]:
+        if max_kv_len is None or isinstance(max_kv_len, bool) or not isinstance(max_kv_len, int) or max_kv_len <= 0:
+            return []
+        found = []
+        for path, fits in self._curves():
+            windowed = fits is not self.group.fits
+            for phase in PHASES:
+                scale = self.scale_factor(phase, windowed=windowed) if phase in fits else None
+                if scale is not None and scale >= max_kv_len:
+                    found.append((path, phase, scale))
+        return found
 
     def effective_target(self, phase: str, override: float | None = None) -> float | None:
-        """Target sparsity used for ``phase`` (override > checkpoint > default); None if uncalibrated."""
+        """Target sparsity used for ``phase`` (override > checkpoint > default); None if no curve
+        of the group calibrates it. Both curves share ``target_sparsity``."""
         check_phase(phase)
-        if phase not in self.group.fits:
+        if phase not in self.group.fits and phase not in (self.group.window_fits or {}):
             return None
         if override is not None:
             check_target(override, f"target_sparsity override for {phase}", "pass a value in [0, 1)")
             return float(override)
         return float(self.group.target_sparsity.get(phase, DEFAULT_TARGET_SPARSITY))
 
-    def scale_factor(self, phase: str, target_sparsity: float | None = None) -> float | None:
-        """``threshold_scale_factor`` of ``phase`` (``a * exp(b * target)``); None = dense."""
+    def scale_factor(self, phase: str, target_sparsity: float | None = None, *, windowed: bool = False) -> float | None:
+        """``threshold_scale_factor`` of ``phase`` (``a * exp(b * target)``) on the curve a layer uses
+        (:meth:`curve`: ``windowed`` = a sliding-window layer); None = dense."""
+        fits = self.curve(windowed)
         target = self.effective_target(phase, target_sparsity)
-        if target is None:
+        if target is None or phase not in fits:
             return None
-        return self.group.fits[phase].scale(target)
+        return fits[phase].scale(target)
 
-    def threshold(self, phase: str, kv_len: int, target_sparsity: float | None = None) -> float | None:
-        """Skip threshold ``lambda = a * exp(b * target) / kv_len``; None when ``phase`` runs dense."""
+    def threshold(self, phase: str, kv_len: int, target_sparsity: float | None = None, *,
+                  window: int | None = None) -> float | None:
+        """Skip threshold of one sequence: ``a * exp(b * target) / kv_len``, or ``/ min(kv_len, window)``
+        on a sliding-window layer (``window`` tokens) when the group has the window curve; None when
+        ``phase`` runs dense."""
         if isinstance(kv_len, bool) or not isinstance(kv_len, (int, float)) or not kv_len > 0:
             raise ValueError(f"kv_len must be a positive number of tokens, got {kv_len!r}")
-        scale = self.scale_factor(phase, target_sparsity)
+        windowed = window is not None and self.has_window_curve
+        scale = self.scale_factor(phase, target_sparsity, windowed=windowed)
         if scale is None:
             return None
-        return scale / kv_len
+        return scale / (min(kv_len, window) if windowed else kv_len)
 
     def matches(self, layer_name: str, class_name: str | Iterable[str] | None = None) -> bool:
         """Whether the layer gets skip-softmax (targeted and not ignored).
@@ -288,21 +347,15 @@ class SparseAttentionConfig:
     def to_dict(self) -> dict[str, Any]:
         """Canonical section dict (per-group layout); ``parse(to_dict(c)) == c``."""
         g = self.group
-        coef_names = SUPPORTED_FORMULAS[normalise_formula(g.formula)]
-        tsf: dict[str, Any] = {"formula": g.formula}
-        for phase in PHASES:
-            if phase in g.fits:
-                fit = g.fits[phase]
-                if coef_names[0] == "log_a":
-                    tsf[phase] = {"log_a": math.log(fit.a), "b": fit.b}
-                else:
-                    tsf[phase] = {"a": fit.a, "b": fit.b}
+        tsf = _curve_dict(g.formula, g.fits)
         group: dict[str, Any] = {"algorithm": "skip_softmax"}
         if g.targets:
             group["targets"] = list(g.targets)
         if g.ignore:
             group["ignore"] = list(g.ignore)
         group["threshold_scale_factor"] = tsf
+        if g.window_fits is not None:
+            group[WINDOW_CURVE_KEY] = _curve_dict(g.window_formula, g.window_fits)
         if g.target_sparsity:
             group["target_sparsity"] = {p: g.target_sparsity[p] for p in PHASES if p in g.target_sparsity}
         group.update(copy.deepcopy(dict(g.extra)))
@@ -319,6 +372,17 @@ class SparseAttentionConfig:
         return out
 
 
+def _curve_dict(formula: str, fits: Mapping[str, PhaseFit]) -> dict[str, Any]:
+    """One curve as written: ``{formula, prefill: {a, b}, decode: {a, b}}`` (``log_a`` for the log formula)."""
+    coef_names = SUPPORTED_FORMULAS[normalise_formula(formula)]
+    out: dict[str, Any] = {"formula": formula}
+    for phase in PHASES:
+        if phase in fits:
+            fit = fits[phase]
+            out[phase] = {"log_a": math.log(fit.a), "b": fit.b} if coef_names[0] == "log_a" else {"a": fit.a, "b": fit.b}
+    return out
+
+
 #: What the absence of a known key means, for the near-miss warning.
 _WITHOUT = {
     "targets": "every attention layer is targeted",
@@ -326,6 +390,7 @@ _WITHOUT = {
     "target_sparsity": f"each phase uses the default target {DEFAULT_TARGET_SPARSITY}",
     "target_sparse_ratio": f"each phase uses the default target {DEFAULT_TARGET_SPARSITY}",
     "threshold_scale_factor": "no phase is calibrated and both run dense",
+    WINDOW_CURVE_KEY: "sliding-window layers use threshold_scale_factor divided by kv_len",
     "producer": "the section names no producer",
 }
 

@@ -603,3 +603,65 @@ def test_checkpoint_loading_never_touches_qwen_dual_chunk_file(tmp_path):
     after = qwen.stat()
     assert qwen.read_text() == "{not json: Qwen dual-chunk's own file"
     assert (after.st_mtime_ns, after.st_size) == (before.st_mtime_ns, before.st_size)
+
+
+# --------------------------------------------------------------------------- the sliding-window curve
+def _with_window_curve(curve=None) -> dict:
+    obj = copy.deepcopy(CANONICAL)
+    obj["config_groups"]["group_0"]["sliding_window_threshold_scale_factor"] = curve if curve is not None else {
+        "formula": "a * exp(b * target_sparsity)",
+        "prefill": {"a": 2.5, "b": 6.0},
+        "decode": {"a": 0.4, "b": 7.0},
+    }
+    return obj
+
+
+def test_window_curve_round_trips_and_serves_windowed_layers_over_min_of_kv_len_and_window():
+    obj = _with_window_curve()
+    cfg = parse_sparse_attention_config(obj)
+    assert cfg.to_dict() == obj and parse_sparse_attention_config(cfg.to_dict()) == cfg
+    assert cfg.has_window_curve and cfg.warnings == ()
+    assert cfg.group.window_fits == {"prefill": PhaseFit(2.5, 6.0), "decode": PhaseFit(0.4, 7.0)}
+    # global layers: the main curve over kv_len (unchanged); windowed: their own curve over min(kv_len, w)
+    assert cfg.threshold("prefill", 4096) == pytest.approx(7.93 * math.exp(8.61 * 0.5) / 4096)
+    assert cfg.threshold("prefill", 4096, window=512) == pytest.approx(2.5 * math.exp(6.0 * 0.5) / 512)
+    assert cfg.threshold("decode", 300, window=512) == pytest.approx(0.4 * math.exp(7.0 * 0.3) / 300)
+    assert cfg.scale_factor("decode", windowed=True) == pytest.approx(0.4 * math.exp(7.0 * 0.3))
+
+
+def test_without_the_window_curve_windowed_layers_keep_the_main_curve_over_kv_len():
+    """Checkpoints calibrated before the window curve (and ModelOpt's) mean what they meant: TensorRT-LLM's rule."""
+    cfg = parse_sparse_attention_config(CANONICAL)
+    assert not cfg.has_window_curve
+    assert cfg.threshold("prefill", 4096, window=512) == pytest.approx(7.93 * math.exp(8.61 * 0.5) / 4096)
+    assert cfg.scale_factor("prefill", windowed=True) == cfg.scale_factor("prefill")
+
+
+def test_window_curve_without_a_phase_runs_that_phase_dense_on_windowed_layers_and_says_so():
+    cfg = parse_sparse_attention_config(_with_window_curve({"formula": "a * exp(b * target_sparsity)",
+                                                            "prefill": {"a": 2.5, "b": 6.0}}))
+    assert cfg.threshold("decode", 4096, window=512) is None
+    assert cfg.threshold("decode", 4096) is not None
+    assert [w for w in cfg.warnings if "sliding_window_threshold_scale_factor has no decode curve" in w]
+
+
+@pytest.mark.parametrize("curve, where, expected", [
+    ({"formula": "a * exp(b * target_sparsity)", "prefill": {"a": -1.0, "b": 6.0}}, ".prefill.a", "a number > 0"),
+    ({"formula": "a * exp(b * target_sparsity)", "prefil": {"a": 1.0, "b": 6.0}}, ".prefil", "only formula"),
+    ({"formula": "a * b"}, ".formula", "one of"),
+    (3.0, "", "a calibration curve"),
+], ids=["negative-a", "misspelt-phase", "unknown-formula", "a-number"])
+def test_a_malformed_window_curve_is_refused_with_its_path(curve, where, expected):
+    with pytest.raises(SparseAttentionConfigError, match=expected) as info:
+        parse_sparse_attention_config(_with_window_curve(curve))
+    path = "sparse_attention_config.config_groups.group_0.sliding_window_threshold_scale_factor" + where
+    assert str(info.value).startswith(path + ":")
+
+
+def test_never_skip_warning_names_the_window_curve():
+    cfg = parse_sparse_attention_config(_with_window_curve({"formula": "a * exp(b * target_sparsity)",
+                                                            "prefill": {"a": 5000.0, "b": 1.0}}))
+    notes = cfg.never_skip_warnings(2048)
+    assert len(notes) == 1 and "sliding_window_threshold_scale_factor.prefill" in notes[0]
+    assert "min(kv_len, window)" in notes[0] and "of the sliding-window layers never skips" in notes[0]
+    assert cfg.never_skipping_phases(2048) == ()  # the main curve still skips
