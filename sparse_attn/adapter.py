@@ -58,18 +58,27 @@ assert set(PHASES) == {DECODE, PREFILL}
 class Policy:
     """How a layer's launches are served.
 
-    ``scale_factors``: phase -> threshold scale factor (``lambda = scale / kv_len``),
-    ``None`` or missing = that phase runs dense. ``calibration_scales``: when set,
-    counting mode with these candidate scale factors; outputs stay dense.
+    ``scale_factors``: phase -> threshold scale factor (``lambda = scale / kv_len``, or
+    ``scale / min(kv_len, window)`` when ``window`` is set: a layer served by, or calibrated
+    for, the sliding-window curve), ``None`` or missing = that phase runs dense.
+    ``calibration_scales``: when set, counting mode with these candidate scale factors;
+    outputs stay dense, counts go to the layer kind ``kind`` names.
     """
 
     scale_factors: Mapping[str, float | None] = field(default_factory=dict)
     calibration_scales: tuple[float, ...] | None = None
     stats_interval_s: float = 60.0
+    #: the window ``w`` (tokens) that caps lambda's normaliser; None = ``kv_len`` itself
+    window: int | None = None
+
+    @property
+    def kind(self) -> str:
+        """The layer kind (``protocol.LAYER_KINDS``) whose calibration counts this policy adds to."""
+        return "windowed" if self.window is not None else "global"
 
     def lambda_for(self, phase: str, kv_len: int) -> float | None:
         """Host lambda of one sequence, or ``None`` (dense: ``kernels.effective_lambda``)."""
-        return effective_lambda(self.scale_factors.get(phase), kv_len) or None
+        return effective_lambda(self.scale_factors.get(phase), kv_len, self.window) or None
 
 
 def make_sparse(layer: Any, info: cmodel.LayerInfo, policy: Policy, stats: WorkerStats = STATS) -> Any:
@@ -147,7 +156,7 @@ class SparseAttentionMixin:
         self._sa_stats.count_call()
         q, out, key_cache, value_cache = self._views(call, batch)
         scale = float(self._sa_policy.scale_factors[DECODE])
-        lam = effective_lambda(scale, batch.seq_lens)  # the host path's rule, on the device
+        lam = effective_lambda(scale, batch.seq_lens, self._sa_policy.window)  # the host path's rule, on the device
         lam = torch.where(batch.decode_mask(), lam, torch.zeros_like(lam))  # q_len 0: dense (nothing to do)
         result, skipped, visited = paged_attention(
             PagedBatch(q, key_cache, value_cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
@@ -190,7 +199,7 @@ class SparseAttentionMixin:
                 _store(out, rows, paged_attention(paged, spec, out=_out_view(out, rows)))
                 self._sa_stats.add_dense(phase)
                 continue
-            lam = effective_lambda(scale, rows.seq_lens)  # on the device: no host -> device copy per layer
+            lam = effective_lambda(scale, rows.seq_lens, policy.window)  # on the device: no host -> device copy per layer
             result, skipped, visited = paged_attention(paged, spec, threshold=lam, return_counts=True,
                                                        out=_out_view(out, rows))
             _store(out, rows, result)
@@ -200,7 +209,8 @@ class SparseAttentionMixin:
 
     def _count(self, phase, q, out, key_cache, value_cache, spec, rows) -> None:
         (kv_len,) = rows.kv_lens
-        candidates = [effective_lambda(scale, kv_len) for scale in self._sa_policy.calibration_scales]
+        policy = self._sa_policy
+        candidates = [effective_lambda(scale, kv_len, policy.window) for scale in policy.calibration_scales]
         result, skipped, visited = paged_attention_counts(_paged(q, key_cache, value_cache, rows), spec, candidates)
         _store(out, rows, result)
         # Serving runs dense where lambda >= 1 (effective lambda 0), so those candidates have no data here.
@@ -210,6 +220,7 @@ class SparseAttentionMixin:
             phase,
             [int(n) if ok else 0 for n, ok in zip(skipped.sum(dim=1).tolist(), usable)],
             [tiles if ok else 0 for ok in usable],
+            kind=policy.kind,
         )
 
 

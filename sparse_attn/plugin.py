@@ -12,6 +12,7 @@ Without a config, vLLM stays untouched and one log line says so.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -118,7 +119,7 @@ def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, ra
     sparse; returns (and logs) the install summary the stats RPC also returns."""
     strict = envs.get("SPARSE_ATTN_STRICT")
     report = compat.probe()
-    installed, native, backends, owners, features = 0, {}, set(), set(), {}
+    installed, native, backends, owners, features, curves = 0, {}, set(), set(), {}, {}
     # A second install starts from the native model, so that its summary is the whole truth:
     # a layer it leaves native runs native, a layer it makes sparse runs with its policy.
     for layer, _ in cmodel.attention_layers(model):
@@ -133,8 +134,9 @@ def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, ra
             info = cmodel.prepare_layer(layer, info)
             reason = info.compat_refusal
         if reason is None:
+            layer_policy = policy_for_layer(policy, config, info)
             try:
-                make_sparse(layer, info, policy, STATS)
+                make_sparse(layer, info, layer_policy, STATS)
             except compat.ImplReplacementError as exc:
                 reason = str(exc)
         if reason:
@@ -145,6 +147,8 @@ def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, ra
         owners.add(info.owner_class)
         used = info.features.in_use()
         features[used] = features.get(used, 0) + 1
+        rule = describe_lambda(layer_policy)
+        curves[rule] = curves.get(rule, 0) + 1
     problems = {name: why for name, why in native.items() if why != NOT_TARGETED}
     if strict and problems:
         raise SparseAttentionStartupError(
@@ -166,6 +170,8 @@ def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, ra
         "mode": "calibration (counting, dense outputs)" if policy.calibration_scales else "serving",
         "targets": list(config.group.targets) if config else ["all (calibration)"],
         "sparse_features": features,
+        # Which curve and normaliser each sparse layer's lambda uses (policy_for_layer).
+        "lambda": curves,
         "native": reasons,
         "cuda_graphs": {b: d.describe() for b, d in graphs.installed().items() if b in backends},
         # Which skip-softmax kernel runs the CPU layers (built or loaded here, once per worker).
@@ -174,12 +180,42 @@ def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, ra
     STATS.set_install(summary, tuple(sorted(owners)))
     logger.info(
         "sparse-attn[rank %d]: %d/%d attention layers sparse, backend %s, layout %s, cache writer %s, mode %s, "
-        "targets %s, features %s%s%s",
+        "targets %s, features %s, lambda %s%s%s",
         rank, installed, len(layers), ",".join(summary["backends"]) or "-", summary["layout"], summary["cache_writer"],
-        summary["mode"], summary["targets"], features or "-", f", native: {reasons}" if reasons else "",
+        summary["mode"], summary["targets"], features or "-", curves or "-", f", native: {reasons}" if reasons else "",
         f", CPU kernel {summary['cpu_kernel']}" if summary["cpu_kernel"] else "",
     )
     return summary
+
+
+def policy_for_layer(policy: Policy, config: SparseAttentionConfig | None, info: cmodel.LayerInfo) -> Policy:
+    """The policy of one layer: the one place that joins the layer's window (compat's
+    ``LayerFeatures``) with the checkpoint's curves.
+
+    * a layer without a window: ``policy`` (the main curve, ``lambda = scale / kv_len``);
+    * calibration (counting): a windowed layer counts for the window curve, with
+      ``lambda = c / min(kv_len, w)``;
+    * serving a checkpoint that has the window curve: a windowed layer uses it, normalised
+      by ``min(kv_len, w)``; without it, the main curve and ``kv_len`` (TensorRT-LLM's rule,
+      so checkpoints calibrated before the window curve existed keep their meaning).
+    """
+    window = info.features.sliding_window
+    if window is None:
+        return policy
+    if policy.calibration_scales is not None:
+        return dataclasses.replace(policy, window=window)
+    if config is None or not config.has_window_curve:
+        return policy
+    return dataclasses.replace(policy, window=window,
+                               scale_factors={p: config.scale_factor(p, windowed=True) for p in PHASES})
+
+
+def describe_lambda(policy: Policy) -> str:
+    """How a layer's lambda is computed, for the install summary: ``"c / kv_len"`` (counting) or
+    ``"scale / kv_len"``, with ``min(kv_len, w)`` on a window curve."""
+    scale = "c" if policy.calibration_scales is not None else "scale"
+    norm = f"min(kv_len, {policy.window})" if policy.window is not None else "kv_len"
+    return f"{scale} / {norm}" if policy.window is None or scale == "c" else f"{scale}_window / {norm}"
 
 
 def _on_cpu(model: Any) -> bool:

@@ -21,6 +21,9 @@ import math
 from typing import Any, Mapping, Sequence
 
 PHASES: tuple[str, ...] = ("prefill", "decode")
+#: The kinds of layer calibration fits a curve for: ``global`` (no window: ``lambda = c / kv_len``)
+#: and ``windowed`` (a sliding window of ``w`` tokens: ``lambda = c / min(kv_len, w)``).
+LAYER_KINDS: tuple[str, ...] = ("global", "windowed")
 
 #: Worker method name: ``llm.collective_rpc(STATS_RPC)`` -> one snapshot per worker;
 #: ``kwargs={"reset": True}`` also zeroes the counters.
@@ -49,22 +52,27 @@ def calibration_env(scales: Sequence[float]) -> dict[str, str]:
     return {CALIBRATION_ENV: json.dumps(values)}
 
 
-def merge_worker_counts(snapshots: Sequence[Mapping[str, Any]], num_scales: int) -> dict[str, tuple[list[int], list[int]]]:
-    """Sum the integer candidate counts of all workers: phase -> (skipped, visited), one per scale.
+def merge_worker_counts(snapshots: Sequence[Mapping[str, Any]],
+                        num_scales: int) -> dict[str, dict[str, tuple[list[int], list[int]]]]:
+    """Sum the integer candidate counts of all workers: kind -> phase -> (skipped, visited), one per
+    scale (``LAYER_KINDS`` x ``PHASES``; a snapshot holds ``candidate_skipped[kind][phase]``).
 
     Each worker counts only what it serves: a tensor-parallel rank its heads of every
     layer, a pipeline stage its own layers; counts are additive over heads and layers,
     so the sum over all workers is the count of the whole model. A worker that
-    saw no launch of a phase contributes zeros."""
-    merged = {}
-    for phase in PHASES:
-        columns = []
-        for key in ("candidate_skipped", "candidate_visited"):
-            per_worker = [s[key].get(phase, [0] * num_scales) for s in snapshots]
-            if any(len(counts) != num_scales for counts in per_worker):
-                raise ValueError(f"{phase}: workers reported {[len(c) for c in per_worker]} {key} entries, expected {num_scales} each")
-            columns.append([sum(int(c) for c in column) for column in zip(*per_worker)])
-        merged[phase] = (columns[0], columns[1])
+    saw no launch of a phase or kind contributes zeros."""
+    merged: dict[str, dict[str, tuple[list[int], list[int]]]] = {}
+    for kind in LAYER_KINDS:
+        merged[kind] = {}
+        for phase in PHASES:
+            columns = []
+            for key in ("candidate_skipped", "candidate_visited"):
+                per_worker = [s[key].get(kind, {}).get(phase, [0] * num_scales) for s in snapshots]
+                if any(len(counts) != num_scales for counts in per_worker):
+                    raise ValueError(f"{kind} {phase}: workers reported {[len(c) for c in per_worker]} {key} entries, "
+                                     f"expected {num_scales} each")
+                columns.append([sum(int(c) for c in column) for column in zip(*per_worker)])
+            merged[kind][phase] = (columns[0], columns[1])
     return merged
 
 

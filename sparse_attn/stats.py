@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from sparse_attn.protocol import PHASE_COUNTERS, PHASES
+from sparse_attn.protocol import LAYER_KINDS, PHASE_COUNTERS, PHASES
 
 logger = logging.getLogger("sparse_attn")
 
@@ -50,10 +50,11 @@ class WorkerStats:
     """Counters for serving (``phases``) and calibration (``candidates``)."""
 
     phases: dict[str, PhaseCounts] = field(default_factory=lambda: {p: PhaseCounts() for p in PHASES})
-    #: calibration: phase -> [skipped tiles per candidate], [visited tiles per candidate]
-    #: (a candidate whose lambda would be >= 1 at a launch's KV length counts nothing there)
-    candidate_skipped: dict[str, list[int]] = field(default_factory=dict)
-    candidate_visited: dict[str, list[int]] = field(default_factory=dict)
+    #: calibration: kind (``protocol.LAYER_KINDS``) -> phase -> [skipped tiles per candidate],
+    #: [visited tiles per candidate] (a candidate whose lambda would be >= 1 at a launch's KV
+    #: length counts nothing there)
+    candidate_skipped: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+    candidate_visited: dict[str, dict[str, list[int]]] = field(default_factory=dict)
     layers_installed: int = 0
     layers_total: int = 0
     #: classes of the modules owning the installed layers (checkpoint ``targets`` name these)
@@ -103,10 +104,13 @@ class WorkerStats:
             self.layers_installed, self.layers_total = int(summary["installed"]), int(summary["total"])
             self.owner_classes = tuple(owner_classes)
 
-    def add_candidates(self, phase: str, skipped: list[int], visited: list[int]) -> None:
+    def add_candidates(self, phase: str, skipped: list[int], visited: list[int], kind: str = "global") -> None:
+        """Add one counting launch's per-candidate tiles of a layer of ``kind``."""
+        if kind not in LAYER_KINDS:
+            raise ValueError(f"layer kind must be one of {LAYER_KINDS}, got {kind!r}")
         with self.lock:
             for totals, counts in ((self.candidate_skipped, skipped), (self.candidate_visited, visited)):
-                current = totals.setdefault(phase, [0] * len(counts))
+                current = totals.setdefault(kind, {}).setdefault(phase, [0] * len(counts))
                 for i, value in enumerate(counts):
                     current[i] += value
 
@@ -120,8 +124,8 @@ class WorkerStats:
                     phases[phase][name] += int(value)
             data = {
                 "phases": phases,
-                "candidate_skipped": {p: list(v) for p, v in self.candidate_skipped.items()},
-                "candidate_visited": {p: list(v) for p, v in self.candidate_visited.items()},
+                "candidate_skipped": {k: {p: list(v) for p, v in by.items()} for k, by in self.candidate_skipped.items()},
+                "candidate_visited": {k: {p: list(v) for p, v in by.items()} for k, by in self.candidate_visited.items()},
                 "layers_installed": self.layers_installed,
                 "layers_total": self.layers_total,
                 "owner_classes": list(self.owner_classes),

@@ -19,6 +19,7 @@ import torch
 import compat
 from compat import model as cmodel
 from sparse_attn.adapter import Policy, make_sparse
+from sparse_attn.kernels import PagedBatch
 from sparse_attn.stats import WorkerStats
 
 B, N, HKV, HQ, D = 8, 32, 2, 4, 32
@@ -291,10 +292,66 @@ def test_counting_mode_keeps_outputs_dense_and_counts_per_candidate():
     n = md.num_actual_tokens
     torch.testing.assert_close(output[:n], dense(query[:n], kv_cache, md), rtol=1e-5, atol=1e-5)
     snap = stats.snapshot()
-    assert snap["candidate_visited"]["prefill"][3] == 0 and snap["candidate_visited"]["prefill"][0] > 0
-    assert snap["candidate_visited"]["decode"][3] > 0  # 45 / 50 < 1
-    skipped = snap["candidate_skipped"]["decode"]
+    visited = snap["candidate_visited"]["global"]
+    assert visited["prefill"][3] == 0 and visited["prefill"][0] > 0
+    assert visited["decode"][3] > 0  # 45 / 50 < 1
+    assert "windowed" not in snap["candidate_visited"]  # a layer without a window counts for the global curve
+    skipped = snap["candidate_skipped"]["global"]["decode"]
     assert skipped == sorted(skipped), "a larger lambda never skips fewer tiles"
+
+
+WINDOW = 16
+
+
+def windowed_impl(scale_factors, stats, calibration_scales=None):
+    """A sliding-window layer (16 tokens) on the window curve: ``Policy.window`` set."""
+    info = dataclasses.replace(INFO, features=cmodel.LayerFeatures(sliding_window=WINDOW))
+    layer = types.SimpleNamespace(impl=NativeImpl(), isa="vec")
+    policy = Policy(scale_factors=scale_factors, calibration_scales=calibration_scales, stats_interval_s=0, window=WINDOW)
+    return layer, make_sparse(layer, info, policy, stats)
+
+
+def test_window_curve_lambda_is_scale_over_min_of_kv_len_and_window(kernel_calls):
+    """Decode and prefill rows of a windowed layer: lambda = scale / min(kv_len, 16), written out by
+    hand here; kv 9 is below the window (9 / 9 normaliser: 12 / 9 >= 1, dense)."""
+    gen = torch.Generator().manual_seed(6)
+    query, key, value, kv_cache, md = build_batch(gen, q_lens=[1, 1, 1], kv_lens=[40, 9, 63])
+    layer, impl = windowed_impl({"decode": 12.0, "prefill": 3.0}, WorkerStats())
+    impl.forward(layer, query, key, value, kv_cache, md, torch.zeros_like(query))
+    (threshold, seq_lens), = kernel_calls
+    assert seq_lens == [40, 9, 63]
+    assert threshold == torch.tensor([12.0 / 16, 0.0, 12.0 / 16], dtype=torch.float32).tolist()
+    kernel_calls.clear()
+    query, key, value, kv_cache, md = build_batch(gen, q_lens=[1, 20], kv_lens=[40, 50])
+    impl.forward(layer, query, key, value, kv_cache, md, torch.zeros_like(query))
+    assert sorted(kernel_calls, key=repr) == sorted([
+        (torch.tensor([12.0 / 16], dtype=torch.float32).tolist(), [40]),   # decode row
+        (torch.tensor([3.0 / 16], dtype=torch.float32).tolist(), [50]),    # prefill chunk: 3 / min(50, 16)
+    ], key=repr)
+
+
+def test_counting_mode_of_a_windowed_layer_counts_for_the_window_curve():
+    """Counting at c / min(kv_len, w): candidate 20 gives 20 / 16 >= 1 (no data, as serving runs it
+    dense) although 20 / 40 < 1; the counts go to the windowed kind and equal the counting kernel's
+    at the hand-computed lambdas."""
+    from sparse_attn.kernels import paged_attention_counts
+
+    gen = torch.Generator().manual_seed(4)
+    query, key, value, kv_cache, md = build_batch(gen, q_lens=[40], kv_lens=[40])
+    stats = WorkerStats()
+    scales = (1e-3, 1.0, 10.0, 20.0)
+    layer, impl = windowed_impl({}, stats, calibration_scales=scales)
+    impl.forward(layer, query, key, value, kv_cache, md, torch.zeros_like(query))
+    snap = stats.snapshot()
+    assert "global" not in snap["candidate_visited"]
+    visited, skipped = snap["candidate_visited"]["windowed"]["prefill"], snap["candidate_skipped"]["windowed"]["prefill"]
+    assert visited[3] == 0 and skipped[3] == 0 and visited[2] > 0
+    n = md.num_actual_tokens
+    key_cache, value_cache = compat.kv_cache_views(kv_cache, head_size=D, backend="CPU_ATTN", isa="vec")
+    paged = PagedBatch(query[:n], key_cache, value_cache, md.block_table, md.seq_lens, md.query_start_loc)
+    _, want_skipped, want_visited = paged_attention_counts(paged, impl._sa_spec, [1e-3 / 16, 1.0 / 16, 10.0 / 16])
+    assert skipped[:3] == want_skipped.sum(dim=1).tolist()
+    assert visited[:3] == [int(want_visited.sum())] * 3
 
 
 def test_sparse_impl_is_still_an_instance_of_the_native_class():
@@ -333,8 +390,9 @@ def _decode_metadata(style, device, seq_lens, num_blocks_per_seq, padded_tokens)
 
 
 @pytest.mark.parametrize("mode", ["meta", "fake-tensor"])
+@pytest.mark.parametrize("window", [None, 16], ids=["global-curve", "window-curve"])
 @pytest.mark.parametrize("style", ["flashinfer-captured", "flash-attn-direct"])
-def test_uniform_decode_forward_reads_no_device_data(style, mode, monkeypatch):
+def test_uniform_decode_forward_reads_no_device_data(style, window, mode, monkeypatch):
     """The whole serving forward of a uniform decode batch (adapter -> compat call and batch
     description -> compat writer and views -> kernel entry) on tensors without data: any
     host read (.item/.tolist/.cpu/bool/nonzero/boolean masks) raises there. Only the kernel
@@ -354,6 +412,8 @@ def test_uniform_decode_forward_reads_no_device_data(style, mode, monkeypatch):
         assert cmodel.prepare_layer(holder, layer_info) is layer_info
     else:
         layer_info = dataclasses.replace(INFO, backend=backend, cpu_isa=None)
+    # A windowed layer on its own curve: lambda = scale / min(kv_len, w), clamped on the device.
+    layer_info = dataclasses.replace(layer_info, features=cmodel.LayerFeatures(sliding_window=window))
     launches = []
 
     def kernel(batch, spec, *, threshold, return_counts, out, check):
@@ -372,7 +432,8 @@ def test_uniform_decode_forward_reads_no_device_data(style, mode, monkeypatch):
     monkeypatch.setattr(adapter, "paged_attention", kernel)
     stats = WorkerStats()
     layer = types.SimpleNamespace(impl=NativeImpl())
-    impl = make_sparse(layer, layer_info, Policy(scale_factors={"decode": 12.0, "prefill": 3.0}, stats_interval_s=0), stats)
+    impl = make_sparse(layer, layer_info, Policy(scale_factors={"decode": 12.0, "prefill": 3.0}, stats_interval_s=0,
+                                                 window=window), stats)
     assert impl._sa_writer is compat.write_kv_cache, "the adapter-owned write is part of the proof"
 
     def run(device):

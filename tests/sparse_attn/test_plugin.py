@@ -106,6 +106,63 @@ def test_summary_groups_sparse_layers_by_the_features_they_use():
     assert plugin.sparsity_stats()["install"]["sparse_features"] == summary["sparse_features"]
 
 
+WINDOW_CURVE_SECTION = {"config_groups": {"group_0": {
+    "algorithm": "skip_softmax",
+    "threshold_scale_factor": {"formula": "a * exp(b * target_sparsity)", "prefill": {"a": 3.0, "b": 2.0},
+                               "decode": {"a": 5.0, "b": 2.0}},
+    "sliding_window_threshold_scale_factor": {"formula": "a * exp(b * target_sparsity)", "prefill": {"a": 7.0, "b": 2.0}},
+    "target_sparsity": {"prefill": 0.5, "decode": 0.5},
+}}}
+
+
+def _policies(model):
+    return [layer.attn.impl._sa_policy for layer in model.layers]
+
+
+def test_windowed_layers_get_the_window_curve_over_min_of_kv_len_and_window():
+    """The checkpoint's window curve serves each windowed layer with its own window as the normaliser
+    cap; global layers keep the main curve; a window curve without decode runs windowed decode dense."""
+    from sparse_attn.config import parse_sparse_attention_config
+
+    config = parse_sparse_attention_config(WINDOW_CURVE_SECTION)
+    base = Policy(scale_factors={p: config.scale_factor(p) for p in ("prefill", "decode")}, stats_interval_s=0)
+    model = Model([Impl(), Impl(sliding_window=512), Impl(sliding_window=(127, 0))])
+    summary = plugin.install(model, config, base)
+    glob, w512, w128 = _policies(model)
+    e = 2.718281828459045
+    assert glob is base and glob.window is None
+    assert (w512.window, w128.window) == (512, 128)
+    assert w512.scale_factors["prefill"] == pytest.approx(7.0 * e) and w512.scale_factors["decode"] is None
+    assert w512.lambda_for("prefill", 4096) == pytest.approx(7.0 * e / 512)
+    assert w128.lambda_for("prefill", 100) == pytest.approx(7.0 * e / 100)
+    assert glob.lambda_for("prefill", 4096) == pytest.approx(3.0 * e / 4096)
+    assert summary["lambda"] == {"scale / kv_len": 1, "scale_window / min(kv_len, 512)": 1,
+                                 "scale_window / min(kv_len, 128)": 1}
+
+
+def test_without_a_window_curve_windowed_layers_are_served_as_before():
+    from sparse_attn.config import parse_sparse_attention_config
+
+    section = {"config_groups": {"group_0": {k: v for k, v in WINDOW_CURVE_SECTION["config_groups"]["group_0"].items()
+                                             if k != "sliding_window_threshold_scale_factor"}}}
+    config = parse_sparse_attention_config(section)
+    base = Policy(scale_factors={p: config.scale_factor(p) for p in ("prefill", "decode")}, stats_interval_s=0)
+    model = Model([Impl(), Impl(sliding_window=512)])
+    summary = plugin.install(model, config, base)
+    assert all(p is base for p in _policies(model))
+    assert summary["lambda"] == {"scale / kv_len": 2}
+
+
+def test_calibration_counts_windowed_layers_for_the_window_curve():
+    counting = Policy(calibration_scales=(1.0, 10.0), stats_interval_s=0)
+    model = Model([Impl(), Impl(sliding_window=512)])
+    summary = plugin.install(model, None, counting)
+    glob, windowed = _policies(model)
+    assert (glob.kind, glob.window) == ("global", None)
+    assert (windowed.kind, windowed.window) == ("windowed", 512)
+    assert summary["lambda"] == {"c / kv_len": 1, "c / min(kv_len, 512)": 1}
+
+
 def _layer_with_backend(name):
     layer = SelfAttn(Impl())
     layer.attn.attn_backend = type("B", (), {"get_name": staticmethod(lambda: name)})

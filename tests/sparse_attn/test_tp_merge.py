@@ -123,7 +123,8 @@ def test_merge_worker_counts_of_shard_snapshots_equals_the_whole(whole, split):
     snapshots = [snapshot_for_heads(shard) for shard in SPLITS[split]]
     merged = merge_worker_counts(snapshots, len(CANDIDATES))
     for phase in PHASES:
-        assert (list(merged[phase][0]), list(merged[phase][1])) == whole[phase], (split, phase)
+        assert (list(merged["global"][phase][0]), list(merged["global"][phase][1])) == whole[phase], (split, phase)
+        assert not any(merged["windowed"][phase][1])  # no windowed layer: its counts stay zero
 
 
 def test_merge_before_ratio_differs_from_mean_of_rank_ratios(whole):
@@ -132,14 +133,15 @@ def test_merge_before_ratio_differs_from_mean_of_rank_ratios(whole):
     merged = merge_worker_counts(snapshots, len(CANDIDATES))
     differs = []
     for phase in PHASES:
-        v0, v1 = snapshots[0]["candidate_visited"][phase][0], snapshots[1]["candidate_visited"][phase][0]
+        v0, v1 = (s["candidate_visited"]["global"][phase][0] for s in snapshots)
         assert v0 == 3 * v1 > 0
-        skipped, visited = merged[phase]
+        skipped, visited = merged["global"][phase]
         truth = whole[phase]
         for j in range(len(CANDIDATES)):
             merged_ratio = Fraction(skipped[j], visited[j])
             assert merged_ratio == Fraction(truth[0][j], truth[1][j])  # the all-heads sparsity, exactly
-            rank_ratios = [Fraction(s["candidate_skipped"][phase][j], s["candidate_visited"][phase][j]) for s in snapshots]
+            rank_ratios = [Fraction(s["candidate_skipped"]["global"][phase][j], s["candidate_visited"]["global"][phase][j])
+                           for s in snapshots]
             mean_ratio = sum(rank_ratios) / 2
             if rank_ratios[0] != rank_ratios[1]:
                 # The plain mean of rank ratios is not it (it weighs rank 1's few tiles as much as rank 0's).
