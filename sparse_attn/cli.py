@@ -397,7 +397,9 @@ def _validate(checkpoint: str, ckpt_dir: str, server, *, strict: bool) -> None:
     config = startup.config
     if config is not None:
         targets = ", ".join(f"{p} {config.effective_target(p):g}" for p in config.calibrated_phases) or "none"
-        say(f"{shown}: skip-softmax group {config.group.name} validated (target sparsity: {targets})")
+        curves = ("; sliding-window layers on their own curve, lambda = scale / min(kv_len, window)"
+                  if config.has_window_curve else "")
+        say(f"{shown}: skip-softmax group {config.group.name} validated (target sparsity: {targets}{curves})")
 
 
 if __name__ == "__main__":

@@ -109,8 +109,11 @@ def build_sparse_attention_config(
     producer_name: str = PRODUCER_NAME,
     producer_version: str | None = None,
     group_name: str = "group_0",
+    window_fits: Mapping[str, FitResult | PhaseFit | Mapping[str, float] | tuple[float, float]] | None = None,
 ) -> dict[str, Any]:
-    """The ``sparse_attention_config`` section for ``fits`` (phase -> fit).
+    """The ``sparse_attention_config`` section for ``fits`` (phase -> fit), plus the sliding-window
+    layers' own curve ``window_fits`` (``WINDOW_CURVE_KEY``: ``lambda = scale / min(kv_len, w)``;
+    None = not written, so windowed layers use ``fits`` with ``scale / kv_len``).
 
     The one writer of the format: it builds a :class:`SparseAttentionConfig`
     and returns its ``to_dict()``, then parses that back with the runtime's
@@ -121,14 +124,15 @@ def build_sparse_attention_config(
     """
     if not fits:
         raise ExportError("no phase was calibrated; nothing to export (calibrate at least prefill or decode)")
-    unknown = [p for p in fits if p not in PHASES]
+    unknown = [p for p in (*fits, *(window_fits or {})) if p not in PHASES]
     if unknown:
         raise ExportError(f"unknown phase(s) {unknown}; expected {list(PHASES)}")
     targets = dict(targets or {})
-    for phase, fit in fits.items():
+    for phase, fit in (*(window_fits or {}).items(), *fits.items()):
         if phase not in targets and isinstance(fit, FitResult):
             targets[phase] = fit.target_sparsity
     coefficients = {p: _coefficients(fits[p]) for p in PHASES if p in fits}
+    window_coefficients = None if window_fits is None else {p: _coefficients(window_fits[p]) for p in PHASES if p in window_fits}
     config = SparseAttentionConfig(
         group=SkipSoftmaxGroup(
             name=group_name,
@@ -136,7 +140,9 @@ def build_sparse_attention_config(
             ignore=tuple(ignore or ()),
             formula=DEFAULT_FORMULA,
             fits={p: PhaseFit(a=c["a"], b=c["b"]) for p, c in coefficients.items()},
-            target_sparsity={p: float(targets[p]) for p in PHASES if p in targets and p in fits},
+            window_fits=None if window_coefficients is None else
+            {p: PhaseFit(a=c["a"], b=c["b"]) for p, c in window_coefficients.items()},
+            target_sparsity={p: float(targets[p]) for p in PHASES if p in targets and (p in fits or p in (window_fits or {}))},
         ),
         producer=Producer(name=producer_name, version=producer_version if producer_version is not None else _package_version()),
     )

@@ -173,6 +173,8 @@ class FitResult:
     heldout_error: float | None = None
     heldout_rms: float | None = None
     heldout_max: float | None = None
+    #: what lambda divides the scale by: ``kv_len``, or ``min(kv_len, w)`` for the sliding-window curve
+    normaliser: str = "kv_len"
 
     def scale(self, sparsity: float) -> float:
         return self.a * math.exp(self.b * sparsity)
@@ -186,7 +188,8 @@ class FitResult:
             f"{self.phase}: scale = {self.a:.6g} * exp({self.b:.6g} * s), R^2={self.r2:.4f}, "
             f"{self.points_used}/{self.points_total} candidates in the fit, pooled sparsity {lo:.1%}..{hi:.1%}; "
             f"target {self.target_sparsity:.1%} -> scale {self.scale_at_target:.6g}, "
-            f"lambda {self.lambda_at_reference:.3g} at kv_len {self.reference_kv_len}"
+            + (f"lambda {self.lambda_at_reference:.3g} at kv_len {self.reference_kv_len}" if self.normaliser == "kv_len"
+               else f"lambda = scale / {self.normaliser}")
         )
         if self.heldout_error is not None:
             text += (f"; expected error (leave one of {self.samples} samples out): {100 * self.heldout_error:+.1f} points "
@@ -198,7 +201,8 @@ class FitResult:
         return {"a": self.a, "b": self.b, "r2": self.r2, "points_used": self.points_used, "points_total": self.points_total,
                 "observed_sparsity_range": list(self.observed_sparsity_range), "target_sparsity": self.target_sparsity,
                 "scale_at_target": self.scale_at_target, "samples": self.samples, "heldout_error": self.heldout_error,
-                "heldout_rms": self.heldout_rms, "heldout_max": self.heldout_max, "warning": self.warning}
+                "heldout_rms": self.heldout_rms, "heldout_max": self.heldout_max, "warning": self.warning,
+                "lambda": f"scale / {self.normaliser}"}
 
 
 def _weighted_line(xs: Sequence[float], ys: Sequence[float], ws: Sequence[float]) -> tuple[float, float]:

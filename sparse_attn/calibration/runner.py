@@ -17,7 +17,7 @@ from typing import Any, Sequence
 from sparse_attn.calibration.prompts import CalibrationSample
 from sparse_attn.calibration.fit import FitPoint
 from sparse_attn.calibration.fit import CalibrationError, SampleCounts, pool
-from sparse_attn.protocol import PHASES, calibration_env, merge_worker_counts
+from sparse_attn.protocol import LAYER_KINDS, PHASES, calibration_env, merge_worker_counts
 
 #: The plugin's log interval variable (registered in compat.envs); 0 turns the periodic lines off.
 STATS_INTERVAL_ENV = "SPARSE_ATTN_STATS_INTERVAL_S"
@@ -43,11 +43,14 @@ def candidate_scales(max_kv_len: int, num: int = 24, low: float = 1e-2) -> list[
 
 @dataclass
 class Measurement:
-    """Integer counts of one calibration run: per phase, one :class:`SampleCounts` per sample
-    (index ``j`` of its lists = ``scales[j]``), plus what the workers reported about themselves."""
+    """Integer counts of one calibration run: per layer kind and phase, one :class:`SampleCounts`
+    per sample (index ``j`` of its lists = ``scales[j]``), plus what the workers reported about
+    themselves. ``samples`` is the global layers' (the main curve's); a model without sliding
+    windows has no ``windowed`` counts."""
 
     scales: list[float]
-    samples: dict[str, list[SampleCounts]] = field(default_factory=lambda: {p: [] for p in PHASES})
+    by_kind: dict[str, dict[str, list[SampleCounts]]] = field(
+        default_factory=lambda: {k: {p: [] for p in PHASES} for k in LAYER_KINDS})
     layers_installed: list[int] = field(default_factory=list)
     layers_total: list[int] = field(default_factory=list)
     owner_classes: list[str] = field(default_factory=list)
@@ -55,16 +58,30 @@ class Measurement:
     installs: list[dict[str, Any]] = field(default_factory=list)
 
     @property
-    def points(self) -> dict[str, list[FitPoint]]:
-        """Per phase, the pooled curve: one point per candidate (:func:`~sparse_attn.calibration.fit.pool`)."""
-        return {phase: pool(self.scales, samples) for phase, samples in self.samples.items() if samples}
+    def samples(self) -> dict[str, list[SampleCounts]]:
+        """The global layers' counts, phase -> samples."""
+        return self.by_kind["global"]
 
-    def spread_by_task(self, phase: str, scale: float) -> dict[str, dict[str, float | int]]:
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The layer kinds that produced counts, in ``LAYER_KINDS`` order."""
+        return tuple(k for k in LAYER_KINDS if any(self.by_kind[k].values()))
+
+    def kind_points(self, kind: str) -> dict[str, list[FitPoint]]:
+        """Per phase, the pooled curve of one layer kind: one point per candidate (:func:`pool`)."""
+        return {phase: pool(self.scales, samples) for phase, samples in self.by_kind[kind].items() if samples}
+
+    @property
+    def points(self) -> dict[str, list[FitPoint]]:
+        """Per phase, the global layers' pooled curve: one point per candidate (:func:`~sparse_attn.calibration.fit.pool`)."""
+        return self.kind_points("global")
+
+    def spread_by_task(self, phase: str, scale: float, kind: str = "global") -> dict[str, dict[str, float | int]]:
         """Each prompt kind's sparsity at ``scale`` (the fitted scale at the target): its pooled
         value (tiles summed over its prompts, as serving would report it), and its prompts'
         min / max, so the report says how far another mix of prompts may land from the target."""
         by_task: dict[str, list[SampleCounts]] = {}
-        for s in self.samples.get(phase, []):
+        for s in self.by_kind[kind].get(phase, []):
             by_task.setdefault(s.task or "unlabelled", []).append(s)
         out = {}
         for task, samples in sorted(by_task.items()):
@@ -76,11 +93,16 @@ class Measurement:
         return out
 
     def counts_report(self) -> dict[str, Any]:
-        """The raw counts as JSON-ready data (kept in the calibration report, so a fit can be replayed offline)."""
-        return {"scales": list(self.scales),
-                "samples": {phase: [{"kv_len": s.kv_len, "task": s.task, "skipped": list(s.skipped), "visited": list(s.visited)}
-                                    for s in samples]
-                            for phase, samples in self.samples.items()}}
+        """The raw counts as JSON-ready data (kept in the calibration report, so a fit can be replayed
+        offline): ``samples`` the global layers', ``samples_windowed`` the sliding-window layers' (when any)."""
+        def rows(by_phase: dict[str, list[SampleCounts]]) -> dict[str, list[dict[str, Any]]]:
+            return {phase: [{"kv_len": s.kv_len, "task": s.task, "skipped": list(s.skipped), "visited": list(s.visited)}
+                            for s in samples]
+                    for phase, samples in by_phase.items()}
+        report = {"scales": list(self.scales), "samples": rows(self.samples)}
+        if "windowed" in self.kinds:
+            report["samples_windowed"] = rows(self.by_kind["windowed"])
+        return report
 
 
 def _interpolate_points(points: Sequence[FitPoint], scale: float) -> float | None:
@@ -114,10 +136,11 @@ def measure(llm: Any, samples: Sequence[CalibrationSample], scales: Sequence[flo
         result.layers_total = [s["layers_total"] for s in snapshots]
         result.owner_classes = sorted({c for s in snapshots for c in s["owner_classes"]})
         result.installs = [dict(s["install"]) for s in snapshots]
-        for phase, (skipped, visited) in merge_worker_counts(snapshots, len(scales)).items():
-            if any(visited):
-                result.samples[phase].append(SampleCounts(skipped=tuple(skipped), visited=tuple(visited), kv_len=kv_len,
-                                                          task=sample.task))
+        for kind, by_phase in merge_worker_counts(snapshots, len(scales)).items():
+            for phase, (skipped, visited) in by_phase.items():
+                if any(visited):
+                    result.by_kind[kind][phase].append(SampleCounts(skipped=tuple(skipped), visited=tuple(visited),
+                                                                    kv_len=kv_len, task=sample.task))
         if progress is not None:
             progress.update(1)
             progress.set_postfix(tokens=kv_len, decode_steps=decode_tokens)

@@ -25,6 +25,7 @@ from sparse_attn.errors import CliError
 from sparse_attn.evaluation import metrics
 from sparse_attn.evaluation.engine import PROGRESS_PREFIX
 from sparse_attn.evaluation.tasks import EVAL_TASKS, build_samples
+from sparse_attn.protocol import PHASES
 
 ENGINE_TIMEOUT_S = 3600
 
@@ -59,7 +60,9 @@ def _config_at(config: Any, target: float | None) -> Any:
     """The checkpoint's config with both phases at ``target`` (None: as calibrated)."""
     if target is None:
         return config
-    group = dataclasses.replace(config.group, target_sparsity={p: float(target) for p in config.calibrated_phases})
+    # Both curves (threshold_scale_factor and the sliding-window layers') share target_sparsity.
+    phases = [p for p in PHASES if config.effective_target(p) is not None]
+    group = dataclasses.replace(config.group, target_sparsity={p: float(target) for p in phases})
     return dataclasses.replace(config, group=group)
 
 

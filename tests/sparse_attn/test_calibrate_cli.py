@@ -378,3 +378,69 @@ def test_calibrate_defaults_are_the_evals_prompt_mix():
     assert default_lengths({"max_position_embeddings": 512}) == [512]
     eval_args = build_parser().parse_args(["eval", "ckpt"])
     assert eval_args.lengths is None and eval_args.decode_tokens == args.decode_tokens
+
+
+# --------------------------------------------------------------------------- #
+# issue 17 item 3: a curve per layer kind, written beside the one TensorRT-LLM reads
+# --------------------------------------------------------------------------- #
+class _Bar:
+    """tqdm's progress bar as calibrate uses it (the unit env has no tqdm)."""
+
+    def __init__(self, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, n):
+        pass
+
+    def set_postfix(self, **kwargs):
+        pass
+
+
+def test_calibrate_writes_the_window_curve_beside_the_global_one(ckpt, tmp_path, capsys, monkeypatch):
+    """The whole command on a fake engine whose workers count like the adapter (1 global layer, 3
+    sliding-window layers of 64 tokens counted at c / min(kv_len, 64)): the exported main curve is the
+    fit of the global layers' counts, the window curve the fit of the windowed layers', each from the
+    fake's independent per-kind reference counts."""
+    import types
+
+    import compat.launch
+    from sparse_attn.calibration.fit import fit_counts
+    from sparse_attn.config import parse_sparse_attention_config
+    from tests.sparse_attn.test_runner import FakeLLM
+
+    engines = []
+
+    def make_llm(**kwargs):
+        engines.append(FakeLLM(json.loads(os.environ["SPARSE_ATTN_CALIBRATION_SCALES"]), layers=1, windowed_layers=3,
+                               window=64))
+        return engines[-1]
+
+    sampling = types.SimpleNamespace
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=make_llm, SamplingParams=lambda **kw: sampling(**kw)))
+    monkeypatch.setitem(sys.modules, "tqdm", types.SimpleNamespace(tqdm=_Bar))
+    monkeypatch.setattr(compat.launch, "platform_is_cpu", lambda: False)
+    out = tmp_path / "out.json"
+    lengths = (600, 640, 700, 760)
+    code = main(["calibrate", str(ckpt), "--prompts_file", str(token_prompts(tmp_path, *lengths)), "--max_model_len", "1024",
+                 "--decode_tokens", "4", "--output", str(out), "--target_sparse_ratio", "0.5", "--update_checkpoint_config"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    (llm,) = engines
+    report = json.loads(out.read_text())
+    config = parse_sparse_attention_config(json.loads((ckpt / "config.json").read_text())["sparse_attention_config"])
+    assert config.has_window_curve
+    for phase in ("prefill", "decode"):
+        for kind, fits in (("global", config.group.fits), ("windowed", config.group.window_fits)):
+            want = fit_counts(llm.scales, [llm.expected(n, 5, phase, kind) for n in lengths], 0.5)
+            assert fits[phase].scale(0.5) == pytest.approx(want.scale_at_target, rel=1e-9), (kind, phase)
+    # the two kinds really differ (the fake's windowed layers are sparser at one c: a smaller scale)
+    assert config.scale_factor("prefill", windowed=True) < 0.5 * config.scale_factor("prefill")
+    assert set(report["calibration_windowed"]) == {"prefill", "decode"}
+    assert report["calibration_windowed"]["prefill"]["lambda"] == "scale / min(kv_len, w)"
+    assert "prefill of sliding-window layers: scale = " in printed and "lambda = scale / min(kv_len, w)" in printed

@@ -55,10 +55,12 @@ class FakeLLM:
     worker ``w`` serves ``heads[w]`` heads (tensor parallel) and counts per candidate like the
     adapter: a candidate whose ``lambda = c / kv_len`` is >= 1 at a launch records nothing there."""
 
-    def __init__(self, scales, heads=(2, 1), layers=2):
+    def __init__(self, scales, heads=(2, 1), layers=2, windowed_layers=0, window=64):
         self.scales = list(scales)
         self.heads = heads
         self.layers = layers
+        #: layers with a sliding window of ``window`` tokens: they count at c / min(kv_len, window)
+        self.windowed_layers, self.window = windowed_layers, window
         self.workers = [WorkerStats(layers_installed=layers, layers_total=layers, owner_classes=("LlamaAttention",),
                                     install={"rank": rank, "installed": layers}) for rank in range(len(heads))]
         self.rpc_calls: list[tuple[str, dict]] = []
@@ -67,9 +69,10 @@ class FakeLLM:
             w.add_candidates("prefill", [7] * len(self.scales), [9] * len(self.scales))
 
     @staticmethod
-    def skipped_per_head(phase, kv_len, c, tiles):
-        """Deterministic, phase- and length-dependent, increasing in c."""
-        frac = min(1.0, max(0.0, (math.log(c) + (4.0 if phase == "decode" else 2.0)) / 10.0 + 200.0 / kv_len))
+    def skipped_per_head(phase, kv_len, c, tiles, kind="global"):
+        """Deterministic, phase-, length- and kind-dependent (windowed layers sparser at one c), increasing in c."""
+        shift = 2.0 if kind == "windowed" else 0.0
+        frac = min(1.0, max(0.0, (math.log(c) + shift + (4.0 if phase == "decode" else 2.0)) / 10.0 + 200.0 / kv_len))
         return int(frac * tiles)
 
     def launches(self, kv_len, new_tokens):
@@ -85,11 +88,13 @@ class FakeLLM:
         ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else list(range(len(prompt.split())))
         for w, stats in zip(range(len(self.heads)), self.workers):
             for phase, kv_len, tiles in self.launches(len(ids), params.max_tokens):
-                for _ in range(self.layers):
-                    usable = [c / kv_len < 1.0 for c in self.scales]
-                    skipped = [self.heads[w] * self.skipped_per_head(phase, kv_len, c, tiles) if ok else 0
-                               for c, ok in zip(self.scales, usable)]
-                    stats.add_candidates(phase, skipped, [self.heads[w] * tiles if ok else 0 for ok in usable])
+                for kind, n, norm in (("global", self.layers, kv_len),
+                                      ("windowed", self.windowed_layers, min(kv_len, self.window))):
+                    for _ in range(n):
+                        usable = [c / norm < 1.0 for c in self.scales]
+                        skipped = [self.heads[w] * self.skipped_per_head(phase, kv_len, c, tiles, kind) if ok else 0
+                                   for c, ok in zip(self.scales, usable)]
+                        stats.add_candidates(phase, skipped, [self.heads[w] * tiles if ok else 0 for ok in usable], kind=kind)
         return [SimpleNamespace(prompt_token_ids=list(ids))]
 
     def collective_rpc(self, method, kwargs=None):
@@ -97,16 +102,18 @@ class FakeLLM:
         assert method == RPC
         return [w.snapshot(reset=bool((kwargs or {}).get("reset"))) for w in self.workers]
 
-    def expected(self, kv_len, new_tokens, phase):
-        """Independent reference: the counts of all workers, heads, layers and steps."""
+    def expected(self, kv_len, new_tokens, phase, kind="global"):
+        """Independent reference: the counts of all workers, heads, layers (of ``kind``) and steps."""
         skipped, visited = [0] * len(self.scales), [0] * len(self.scales)
+        layers = self.layers if kind == "global" else self.windowed_layers
         for ph, kv, tiles in self.launches(kv_len, new_tokens):
             if ph != phase:
                 continue
+            norm = kv if kind == "global" else min(kv, self.window)
             for j, c in enumerate(self.scales):
-                if c / kv < 1.0:
-                    skipped[j] += sum(self.heads) * self.layers * self.skipped_per_head(ph, kv, c, tiles)
-                    visited[j] += sum(self.heads) * self.layers * tiles
+                if c / norm < 1.0:
+                    skipped[j] += sum(self.heads) * layers * self.skipped_per_head(ph, kv, c, tiles, kind)
+                    visited[j] += sum(self.heads) * layers * tiles
         return SampleCounts(tuple(skipped), tuple(visited), kv_len)
 
 
@@ -149,6 +156,28 @@ def test_measure_sums_workers_per_sample_and_phase():
                                              "skipped": list(m.samples["decode"][0].skipped),
                                              "visited": list(m.samples["decode"][0].visited)}
     assert [s.task for s in m.samples["prefill"]] == [s.task for s in _samples()]
+
+
+def test_measure_keeps_windowed_layers_counts_apart():
+    """Counts of sliding-window layers (taken at c / min(kv_len, w)) go to their own kind, per sample and
+    phase; the global curve's counts are those of the global layers alone."""
+    llm = FakeLLM(SCALES, layers=1, windowed_layers=3, window=64)
+    m = measure(llm, _samples(), SCALES, decode_tokens=3, stats_rpc=RPC, sampling_params=SimpleNamespace(max_tokens=4))
+    assert m.kinds == ("global", "windowed")
+    for phase in PHASES:
+        assert m.samples[phase] == [llm.expected(n, 4, phase) for n in (300, 5, 80)]
+        assert m.by_kind["windowed"][phase] == [llm.expected(n, 4, phase, "windowed") for n in (300, 5, 80)]
+    # c = 100 >= w = 64: no windowed data at kv 300 although 100 / 300 < 1
+    assert m.by_kind["windowed"]["prefill"][0].visited[3] == 0 and m.samples["prefill"][0].visited[3] > 0
+    report = m.counts_report()
+    assert report["samples_windowed"]["prefill"][0]["visited"] == list(m.by_kind["windowed"]["prefill"][0].visited)
+    assert m.kind_points("windowed") == {p: pool(SCALES, m.by_kind["windowed"][p]) for p in PHASES}
+
+
+def test_a_model_without_windows_has_no_windowed_kind():
+    m = measure(FakeLLM(SCALES), _samples()[:1], SCALES, decode_tokens=0, stats_rpc=RPC,
+                sampling_params=SimpleNamespace(max_tokens=1))
+    assert m.kinds == ("global",) and "samples_windowed" not in m.counts_report()
 
 
 def test_spread_by_task_pools_each_kind_at_the_scale():
