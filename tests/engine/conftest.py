@@ -53,13 +53,16 @@ def run_driver(ckpt: Path, out: Path, *args: str, timeout: int = 600, **env: str
                           env=engine_env(**env), capture_output=True, text=True, timeout=timeout)
 
 
-def skip_softmax_section(prefill: tuple[float, float] | None, decode: tuple[float, float] | None, target: float = 0.5) -> dict:
-    """A skip-softmax section with ``(a, b)`` per calibrated phase, through the product's one writer."""
+def skip_softmax_section(prefill: tuple[float, float] | None, decode: tuple[float, float] | None, target: float = 0.5,
+                         window: tuple[float, float] | None = None) -> dict:
+    """A skip-softmax section with ``(a, b)`` per calibrated phase, through the product's one writer;
+    ``window``: the same ``(a, b)`` for both phases of the sliding-window layers' own curve."""
     from sparse_attn.calibration.export import build_sparse_attention_config
 
     fits = {phase: ab for phase, ab in (("prefill", prefill), ("decode", decode)) if ab is not None}
     return build_sparse_attention_config(fits, {phase: target for phase in fits}, target_classes=["LlamaAttention"],
-                                         producer_name="sparse-attn-tests", producer_version="0")
+                                         producer_name="sparse-attn-tests", producer_version="0",
+                                         window_fits=None if window is None else {p: window for p in fits})
 
 
 def handwritten_section(prefill: tuple[float, float], decode: tuple[float, float], target: float = 0.5) -> dict:

@@ -79,7 +79,9 @@ def _serve(tmp_path: Path, native: Path, owner: str, prompt_len: int | None = No
     # 1e-30, not the 1e-9 of the other engine tests: Gemma-3-270M's windowed decode, anchored on its
     # diagonal tile, has tiles 27+ nats below it, which 1e-9 * e^0.5 / kv_len (~2e-12) skips (2 of
     # 30288, measured); the fp32 ratios reach 1e-33 without underflow.
-    section = skip_softmax_section((1e-30, 1.0), (1e-30, 1.0))
+    # Windowed layers are served on the window curve (lambda = scale / min(kv_len, w)), as a
+    # calibrated checkpoint of a model with windows has it.
+    section = skip_softmax_section((1e-30, 1.0), (1e-30, 1.0), window=(1e-30, 1.0))
     section["config_groups"]["group_0"]["targets"] = [owner]
     config["sparse_attention_config"] = section
     (sparse / "config.json").write_text(json.dumps(config, indent=1))
@@ -122,9 +124,20 @@ def _assert_all_sparse(native: dict, sparse: dict, features: dict) -> None:
     (install,) = [s["install"] for s in sparse["stats"]]
     assert install["native"] == {} and install["installed"] == install["total"], install
     assert install["sparse_features"] == features, install["sparse_features"]
+    assert install["lambda"] == _expected_lambda(features), install["lambda"]
     for phase in ("prefill", "decode"):
         totals = phase_totals(sparse["stats"], phase)
         assert totals["launches"] > 0 and totals["native_launches"] == 0 and totals["skipped"] == 0, (phase, totals)
+
+
+def _expected_lambda(features: dict) -> dict:
+    """The install summary's ``lambda`` for these features: windowed layers on the window curve."""
+    expected: dict = {}
+    for used, n in features.items():
+        window = next((part.split("=")[1] for part in used.split(", ") if part.startswith("sliding_window=")), None)
+        rule = f"scale_window / min(kv_len, {window})" if window else "scale / kv_len"
+        expected[rule] = expected.get(rule, 0) + n
+    return expected
 
 
 def _logprob_gaps(a: dict, b: dict, key: str) -> list[float]:
