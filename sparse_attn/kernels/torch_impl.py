@@ -185,7 +185,6 @@ class _Group:
         pairs = walked.nonzero()
         if pairs.numel() == 0:
             return seed.view(hkv, b_all, -1)
-        plan = self.k_reader.plan(b_all, 0, max(self.n_walk), self.base)
         q = self.q.view(hkv, b_all, nq, per_qt, d)
         lim = self.lim_rows.view(b_all, nq, per_qt)
         lo = self.lo_rows.view(b_all, nq, per_qt)
@@ -195,8 +194,10 @@ class _Group:
             tile = self.last[bs, qts]                                           # relative to base
             cols = (self.base[bs] + tile)[:, None, None] * TILE_K + torch.arange(TILE_K)   # [n, 1, 64]
             hide = (cols > lim[bs, qts, :, None]) | (cols < lo[bs, qts, :, None])         # [n, per_qt, 64]
+            plan = self.k_reader.plan_tiles(bs, self.base[bs] + tile)           # the anchors only
+            pick = torch.arange(bs.shape[0])
             for h in range(hkv):
-                k = self.k_reader.read_tiles(plan, bs, tile, h)                 # [n, 64, D]
+                k = self.k_reader.read_tiles(plan, pick, 0, h)                  # [n, 64, D]
                 sc = torch.matmul(q[h, bs, qts], k.transpose(1, 2))             # [n, per_qt, 64]
                 if self.cap is not None:
                     sc.div_(self.cap).tanh_().mul_(self.cap)
