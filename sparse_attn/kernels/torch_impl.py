@@ -145,10 +145,12 @@ class _Group:
         pos = kv[:, None] - q_len[:, None] + last_row                           # each row's position
         limit = pos if spec.causal else (kv - 1)[:, None].expand(-1, nq * rows)
         lo = (pos - w + 1).clamp(min=0) if w is not None else torch.zeros_like(limit)
-        # Walked tiles per query tile, relative to base: first .. last (the anchor is first
-        # without a window, last with one).
+        # Walked tiles per query tile, relative to base: first .. last.
         self.first = lo.view(b_all, nq, rows).amin(-1) // TILE_K - self.base[:, None]     # [B, nq]
         self.last = limit.view(b_all, nq, rows).amax(-1) // TILE_K - self.base[:, None]   # [B, nq]
+        # Each query tile's anchor, the one walked tile never skippable (relative to base):
+        # its diagonal tile (last) with a window, tile 0 (first) without.
+        self.anchor_tile = self.last if w is not None else self.first                     # [B, nq]
         self.limit_min_qt = limit.view(b_all, nq, rows).amin(-1)                # [B, nq] absolute
         self.lo_max_qt = lo.view(b_all, nq, rows).amax(-1)
         per_row = lambda x: x.view(b_all, nq, 1, rows).expand(-1, -1, self.g, -1).reshape(b_all, -1)
@@ -315,8 +317,7 @@ class _Group:
         e = torch.where(self.valid_rows[:b, row_lo:row_hi, None], e, 0.0)
         ratio = e.view(hkv, b, nqa, g, rows, c).amax(4)                         # [Hkv, b, nqa, g, c]
         tiles = torch.arange(t0, t0 + c)
-        anchor = self.last if self.window is not None else self.first
-        countable = (vis & (tiles != anchor[:b, qt_lo:qt_lo + nqa, None])).view(1, b, nqa, 1, c)  # not the anchor
+        countable = (vis & (tiles != self.anchor_tile[:b, qt_lo:qt_lo + nqa, None])).view(1, b, nqa, 1, c)
         if self.lams is not None:
             r_c = torch.where(countable, ratio, float("inf"))
             hits = r_c.unsqueeze(0) < self.lams[:, :b].reshape(-1, 1, b, 1, 1, 1)
