@@ -145,10 +145,12 @@ class _Group:
         pos = kv[:, None] - q_len[:, None] + last_row                           # each row's position
         limit = pos if spec.causal else (kv - 1)[:, None].expand(-1, nq * rows)
         lo = (pos - w + 1).clamp(min=0) if w is not None else torch.zeros_like(limit)
-        # Walked tiles per query tile, relative to base: first .. last (the anchor is first
-        # without a window, last with one).
+        # Walked tiles per query tile, relative to base: first .. last.
         self.first = lo.view(b_all, nq, rows).amin(-1) // TILE_K - self.base[:, None]     # [B, nq]
         self.last = limit.view(b_all, nq, rows).amax(-1) // TILE_K - self.base[:, None]   # [B, nq]
+        # Each query tile's anchor, the one walked tile never skippable (relative to base):
+        # its diagonal tile (last) with a window, tile 0 (first) without.
+        self.anchor_tile = self.last if w is not None else self.first                     # [B, nq]
         self.limit_min_qt = limit.view(b_all, nq, rows).amin(-1)                # [B, nq] absolute
         self.lo_max_qt = lo.view(b_all, nq, rows).amax(-1)
         per_row = lambda x: x.view(b_all, nq, 1, rows).expand(-1, -1, self.g, -1).reshape(b_all, -1)
@@ -185,7 +187,6 @@ class _Group:
         pairs = walked.nonzero()
         if pairs.numel() == 0:
             return seed.view(hkv, b_all, -1)
-        plan = self.k_reader.plan(b_all, 0, max(self.n_walk), self.base)
         q = self.q.view(hkv, b_all, nq, per_qt, d)
         lim = self.lim_rows.view(b_all, nq, per_qt)
         lo = self.lo_rows.view(b_all, nq, per_qt)
@@ -195,8 +196,10 @@ class _Group:
             tile = self.last[bs, qts]                                           # relative to base
             cols = (self.base[bs] + tile)[:, None, None] * TILE_K + torch.arange(TILE_K)   # [n, 1, 64]
             hide = (cols > lim[bs, qts, :, None]) | (cols < lo[bs, qts, :, None])         # [n, per_qt, 64]
+            plan = self.k_reader.plan_tiles(bs, self.base[bs] + tile)           # the anchors only
+            pick = torch.arange(bs.shape[0])
             for h in range(hkv):
-                k = self.k_reader.read_tiles(plan, bs, tile, h)                 # [n, 64, D]
+                k = self.k_reader.read_tiles(plan, pick, 0, h)                  # [n, 64, D]
                 sc = torch.matmul(q[h, bs, qts], k.transpose(1, 2))             # [n, per_qt, 64]
                 if self.cap is not None:
                     sc.div_(self.cap).tanh_().mul_(self.cap)
@@ -314,8 +317,7 @@ class _Group:
         e = torch.where(self.valid_rows[:b, row_lo:row_hi, None], e, 0.0)
         ratio = e.view(hkv, b, nqa, g, rows, c).amax(4)                         # [Hkv, b, nqa, g, c]
         tiles = torch.arange(t0, t0 + c)
-        anchor = self.last if self.window is not None else self.first
-        countable = (vis & (tiles != anchor[:b, qt_lo:qt_lo + nqa, None])).view(1, b, nqa, 1, c)  # not the anchor
+        countable = (vis & (tiles != self.anchor_tile[:b, qt_lo:qt_lo + nqa, None])).view(1, b, nqa, 1, c)
         if self.lams is not None:
             r_c = torch.where(countable, ratio, float("inf"))
             hits = r_c.unsqueeze(0) < self.lams[:, :b].reshape(-1, 1, b, 1, 1, 1)

@@ -46,7 +46,8 @@ class TileReader:
     -inf, and 0 * garbage could be NaN.
 
     :meth:`plan` resolves the unit ids of one chunk (the group's first ``b`` sequences,
-    tiles ``t0 .. t0+c-1``) once; :meth:`read` (a slice of sequences, all tiles) and
+    tiles ``t0 .. t0+c-1``) once, :meth:`plan_tiles` those of given (sequence, tile)
+    pairs; :meth:`read` (a slice of sequences, all tiles) and
     :meth:`read_tiles` (given (sequence, tile) pairs, one KV head) then only gather.
     Results live in a buffer reused by the next call: ``index_select`` into a
     preallocated ``out`` is several times faster on CPU than letting it allocate, and a
@@ -79,19 +80,37 @@ class TileReader:
         and the ``[b, c, TILE_K]`` mask of positions past each sequence's end (None if none)
         of the tiles ``base + t0 .. base + t0 + c - 1`` of the group's first ``b`` sequences
         (``base`` [B] long: each sequence's first walked tile, 0 if ``None``)."""
-        kv = self.kv[:b, None]
         pos = torch.arange(t0 * TILE_K, (t0 + c) * TILE_K)[None, :]
         if base is not None:
             pos = pos + base[:b, None] * TILE_K
+        return self._resolve(None, b, c, pos)
+
+    def plan_tiles(self, seq: torch.Tensor, tile: torch.Tensor):
+        """The plan of one tile per pair: tile ``tile[i]`` (absolute) of the group's sequence
+        ``seq[i]``, laid out as :meth:`plan`'s with ``b = n`` and ``c = 1`` (so every pair is
+        ``read_tiles(plan, torch.arange(n), 0, head)``)."""
+        pos = tile[:, None] * TILE_K + torch.arange(TILE_K)
+        return self._resolve(seq, seq.shape[0], 1, pos)
+
+    def _resolve(self, seq, b: int, c: int, pos: torch.Tensor):
+        """:meth:`plan`'s ids and mask of positions ``pos`` ``[b or 1, c * TILE_K]`` (increasing
+        along each row) of the group's sequences ``seq`` [b] (``None``: the first ``b``)."""
+        kv = (self.kv[:b] if seq is None else self.kv[seq])[:, None]
+
+        def blocks(idx):            # block-table entries [b, n] of block indices idx [b or 1, n]
+            if seq is None:
+                return self.bt_rows[:b].gather(1, idx.expand(b, -1))
+            return self.bt_rows[seq[:, None], idx]
+
         invalid = pos >= kv
         invalid = invalid.view(b, c, TILE_K) if bool(invalid[:, -1].any()) else None
         if self.units is None:
             pos = torch.minimum(pos, kv - 1)
-            blk = self.bt_rows[:b].gather(1, (pos // self.page).expand(b, -1))
+            blk = blocks(pos // self.page)
             return (blk.view(b, c, TILE_K), (pos % self.page).expand(b, -1).reshape(b, c, TILE_K)), None
         start = torch.minimum(pos[:, ::self.unit], (kv - 1) // self.unit * self.unit)
         start = start.expand(b, -1)
-        blk = self.bt_rows[:b].gather(1, start // self.page)
+        blk = blocks(start // self.page)
         ids = blk * self.per_block + (start % self.page) // self.unit
         return ids.view(b, c, -1), invalid
 

