@@ -119,7 +119,7 @@ def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, ra
     sparse; returns (and logs) the install summary the stats RPC also returns."""
     strict = envs.get("SPARSE_ATTN_STRICT")
     report = compat.probe()
-    installed, native, backends, owners, features, curves = 0, {}, set(), set(), {}, {}
+    installed, native, backends, owners, features, curves, never_skip = 0, {}, set(), set(), {}, {}, {}
     # A second install starts from the native model, so that its summary is the whole truth:
     # a layer it leaves native runs native, a layer it makes sparse runs with its policy.
     for layer, _ in cmodel.attention_layers(model):
@@ -149,6 +149,9 @@ def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, ra
         features[used] = features.get(used, 0) + 1
         rule = describe_lambda(layer_policy)
         curves[rule] = curves.get(rule, 0) + 1
+        for phase in _phases_that_never_skip(layer_policy):
+            key = f"{phase}, window {layer_policy.window}"
+            never_skip[key] = never_skip.get(key, 0) + 1
     problems = {name: why for name, why in native.items() if why != NOT_TARGETED}
     if strict and problems:
         raise SparseAttentionStartupError(
@@ -172,12 +175,21 @@ def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, ra
         "sparse_features": features,
         # Which curve and normaliser each sparse layer's lambda uses (policy_for_layer).
         "lambda": curves,
+        # Window-curve phases whose scale at the target is >= the layer's window: dense at every length.
+        "window_curve_never_skips": never_skip,
         "native": reasons,
         "cuda_graphs": {b: d.describe() for b, d in graphs.installed().items() if b in backends},
         # Which skip-softmax kernel runs the CPU layers (built or loaded here, once per worker).
         "cpu_kernel": cpu_impl.describe() if installed and _on_cpu(model) else None,
     }
     STATS.set_install(summary, tuple(sorted(owners)))
+    for key, n in sorted(never_skip.items()):
+        phase, window = key.split(", window ")
+        logger.warning(
+            "sparse-attn: %d sliding-window layer(s) with a %s-token window never skip a tile in %s: the %s scale factor "
+            "of sliding_window_threshold_scale_factor at its target_sparsity is >= %s, so lambda = scale / min(kv_len, %s) "
+            ">= 1 at every KV length and that phase of these layers runs dense. Fix: lower target_sparsity, or re-run "
+            "`sparse-attn calibrate`", n, window, phase, phase, window, window)
     logger.info(
         "sparse-attn[rank %d]: %d/%d attention layers sparse, backend %s, layout %s, cache writer %s, mode %s, "
         "targets %s, features %s, lambda %s%s%s",
@@ -208,6 +220,17 @@ def policy_for_layer(policy: Policy, config: SparseAttentionConfig | None, info:
         return policy
     return dataclasses.replace(policy, window=window,
                                scale_factors={p: config.scale_factor(p, windowed=True) for p in PHASES})
+
+
+def _phases_that_never_skip(policy: Policy) -> list[str]:
+    """Serving phases of a window-curve policy whose scale factor is ``>= window``: ``lambda = scale /
+    min(kv_len, w) >= 1`` at every length, which ``kernels.effective_lambda`` runs dense. The config alone
+    cannot tell (it does not know the windows; ``SparseAttentionConfig.never_skip_warnings`` checks
+    ``max_kv_len``): e.g. Gemma-3-270M's windowed prefill curve reaches 512 just above its 50 % target."""
+    if policy.window is None or policy.calibration_scales is not None:
+        return []
+    return [phase for phase in PHASES
+            if (scale := policy.scale_factors.get(phase)) is not None and scale >= policy.window]
 
 
 def describe_lambda(policy: Policy) -> str:

@@ -140,6 +140,27 @@ def test_windowed_layers_get_the_window_curve_over_min_of_kv_len_and_window():
                                  "scale_window / min(kv_len, 128)": 1}
 
 
+def test_a_window_curve_whose_scale_reaches_the_window_is_reported_dense(caplog):
+    """scale 700 * e^1 >= 512: lambda = scale / min(kv_len, w) >= 1 at every length, so the windowed
+    prefill runs dense; the install says so once per window, with the fix. The 4096-token window and the
+    global layer are not affected."""
+    from sparse_attn.config import parse_sparse_attention_config
+
+    section = {"config_groups": {"group_0": dict(WINDOW_CURVE_SECTION["config_groups"]["group_0"])}}
+    section["config_groups"]["group_0"]["sliding_window_threshold_scale_factor"] = {
+        "formula": "a * exp(b * target_sparsity)", "prefill": {"a": 700.0, "b": 2.0}, "decode": {"a": 0.5, "b": 2.0}}
+    config = parse_sparse_attention_config(section)
+    assert config.never_skip_warnings(32768) == ()  # the config alone cannot see it: it does not know the windows
+    base = Policy(scale_factors={p: config.scale_factor(p) for p in ("prefill", "decode")}, stats_interval_s=0)
+    with caplog.at_level(logging.WARNING, logger="sparse_attn"):
+        summary = plugin.install(Model([Impl(), Impl(sliding_window=512), Impl(sliding_window=512),
+                                        Impl(sliding_window=(4095, 0))]), config, base)
+    assert summary["window_curve_never_skips"] == {"prefill, window 512": 2}
+    (record,) = [r for r in caplog.records if "never skip" in r.getMessage()]
+    assert "2 sliding-window layer(s) with a 512-token window never skip a tile in prefill" in record.getMessage()
+    assert "Fix: lower target_sparsity" in record.getMessage()
+
+
 def test_without_a_window_curve_windowed_layers_are_served_as_before():
     from sparse_attn.config import parse_sparse_attention_config
 
