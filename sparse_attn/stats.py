@@ -22,12 +22,15 @@ from typing import Any
 
 import torch
 
+from sparse_attn.kernels.batch import COUNTER_SLOTS
 from sparse_attn.protocol import LAYER_KINDS, PHASE_COUNTERS, PHASES
 
 logger = logging.getLogger("sparse_attn")
 
 #: Index of each counter in a device counter tensor ``[len(PHASE_COUNTERS)]``.
 DEVICE_COUNTER_INDEX = {name: i for i, name in enumerate(PHASE_COUNTERS)}
+# The kernels add into these tensors themselves (``paged_attention(counters=...)``).
+assert all(DEVICE_COUNTER_INDEX[name] == slot for name, slot in COUNTER_SLOTS.items()), COUNTER_SLOTS
 
 
 @dataclass
@@ -86,16 +89,27 @@ class WorkerStats:
         with self.lock:
             self.adapter_calls += 1
 
+    def device_counter(self, phase: str, device: torch.device) -> torch.Tensor:
+        """The persistent int64 ``[len(PHASE_COUNTERS)]`` accumulator of ``phase`` on ``device``,
+        which kernels add their counts into (``paged_attention(counters=...)``, nothing read).
+        Allocated once per (phase, device): by the install warm-up
+        (``sparse_attn.warmup``) before vLLM captures, else at the first call (vLLM's eager
+        warm-up), and only ever updated in place, so a captured graph keeps adding to the
+        same memory on every replay."""
+        key = (phase, str(device))
+        total = self.device_counts.get(key)
+        if total is None:
+            with self.lock:
+                total = self.device_counts.get(key)
+                if total is None:
+                    total = self.device_counts[key] = torch.zeros(len(PHASE_COUNTERS), dtype=torch.int64, device=device)
+        return total
+
     def add_device(self, phase: str, counts: torch.Tensor) -> None:
         """Add ``counts`` (int64 ``[len(PHASE_COUNTERS)]``, on the launch's device) in place,
-        without reading it. The accumulator is allocated at the first call on each device
-        (the eager warm-up vLLM runs before capturing) and only ever updated in place,
-        so a captured graph keeps adding to the same memory on every replay."""
-        key = (phase, str(counts.device))
+        without reading it (:meth:`device_counter`)."""
+        total = self.device_counter(phase, counts.device)
         with self.lock:
-            total = self.device_counts.get(key)
-            if total is None:
-                total = self.device_counts[key] = torch.zeros(len(PHASE_COUNTERS), dtype=torch.int64, device=counts.device)
             total.add_(counts)
 
     def set_install(self, summary: dict, owner_classes: tuple[str, ...]) -> None:
