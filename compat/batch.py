@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -155,6 +155,14 @@ class BatchDescription:
                 if q_len:
                     groups.setdefault("decode" if self.is_decode(q_len) else "prefill", []).append(s)
             self._memo[key] = {phase: self._rows(seqs, starts, kv_lens, kv_exact) for phase, seqs in groups.items()}
+        return self._memo[key]
+
+    def memo(self, key: Any, build: Callable[[], Any]) -> Any:
+        """``build()``, once per step and ``key``: what a caller derives from this step's batch
+        alone (the sparse path's per-(phase, policy) launch plan) is shared by every layer."""
+        key = ("caller", key)
+        if key not in self._memo:
+            self._memo[key] = build()
         return self._memo[key]
 
     def rows_of(self, seqs: tuple[int, ...], exact: bool = True) -> PhaseRows:

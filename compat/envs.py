@@ -27,6 +27,8 @@ logger = logging.getLogger("compat")
 
 #: Backends ``compat`` serves, by vLLM's ``AttentionBackendEnum`` member name.
 BACKENDS: tuple[str, ...] = ("FLASHINFER", "FLASH_ATTN", "CPU_ATTN")
+#: The backends whose layers run on the CPU (the others on a GPU).
+CPU_BACKENDS: frozenset[str] = frozenset({"CPU_ATTN"})
 #: Layout names of the catalogue: the ``compat.layouts.KVLayout`` values (one definition).
 LAYOUT_NAMES: tuple[str, ...] = tuple(layout.value for layout in KVLayout)
 WRITER_CHOICES: tuple[str, ...] = ("auto", "vllm", "adapter")
@@ -244,6 +246,16 @@ REGISTRY: dict[str, EnvVar] = {
             name="SPARSE_ATTN_STRICT",
             default="0",
             doc="`1` makes any attention layer the sparse kernel cannot serve a start-up error instead of a native fallback.",
+            parse=_parse_flag,
+            choices=", ".join(FLAG_FALSE[:1] + FLAG_TRUE[:1]),
+        ),
+        EnvVar(
+            name="SPARSE_ATTN_CHECK_EVERY_LAUNCH",
+            default="0",
+            doc=(
+                "Debugging: `1` validates every kernel argument at every eager (prefill / mixed) launch; by "
+                "default the first launch of each step's plan validates and the other layers reuse it."
+            ),
             parse=_parse_flag,
             choices=", ".join(FLAG_FALSE[:1] + FLAG_TRUE[:1]),
         ),
