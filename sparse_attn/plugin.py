@@ -20,7 +20,8 @@ import compat
 from compat import envs, graphs, patches
 from compat import model as cmodel
 from compat import worker as cworker
-from sparse_attn.adapter import Policy, make_sparse
+from sparse_attn import warmup
+from sparse_attn.adapter import Policy, SparseAttentionMixin, layer_device, make_sparse
 from sparse_attn.config import SECTION_KEY, SparseAttentionConfig, StartupRefused, startup_notes
 from sparse_attn.kernels import support
 from sparse_attn.kernels import cpu_impl
@@ -137,7 +138,7 @@ def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, ra
             layer_policy = policy_for_layer(policy, config, info)
             try:
                 make_sparse(layer, info, layer_policy, STATS)
-            except compat.ImplReplacementError as exc:
+            except (compat.ImplReplacementError, ValueError) as exc:   # ValueError: kernels.support.spec_for
                 reason = str(exc)
         if reason:
             native[info.name] = reason
@@ -183,6 +184,10 @@ def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, ra
         "cpu_kernel": cpu_impl.describe() if installed and _on_cpu(model) else None,
     }
     STATS.set_install(summary, tuple(sorted(owners)))
+    where = warmup.model_device_dtype(model) if installed else None
+    if where is not None:     # every kernel variant compiled and the counters allocated before any capture
+        warmup.warm_up([layer.impl for layer, _ in layers if isinstance(layer.impl, SparseAttentionMixin)], STATS,
+                       device=where[0], dtype=where[1])
     for key, n in sorted(never_skip.items()):
         phase, window = key.split(", window ")
         logger.warning(
@@ -264,7 +269,7 @@ NOT_TARGETED = "not targeted by the config"
 def _native_reason(info: cmodel.LayerInfo, report: compat.CompatReport) -> str | None:
     """Why ``info``'s layer must stay native, or ``None``: the one place that joins what
     the kernels serve (``kernels.support``) with what compat says the layer is and has."""
-    reasons = list(support.unsupported(info.features))
+    reasons = list(support.unsupported(info.features, head_size=info.head_size, device=layer_device(info)))
     if info.compat_refusal:
         reasons.append(info.compat_refusal)
     entry = report.backends.get(info.backend)
