@@ -70,6 +70,15 @@ def effective_lambda(scale_factor, kv_len, window=None):
     return lam if 0 < lam < 1 else 0.0
 
 
+def never_skips(scale_factor, longest_normaliser) -> bool:
+    """Whether a phase served with ``scale_factor`` runs dense at every length: its
+    :func:`effective_lambda` is 0 at ``longest_normaliser`` (tokens: the longest KV length
+    served, or a window curve's ``w``, the most ``min(kv_len, w)`` can be).  Lambda falls
+    as the normaliser grows, so "dense there" is "dense everywhere"; the rule itself
+    (``lambda >= 1`` runs dense) lives in :func:`effective_lambda` alone."""
+    return effective_lambda(scale_factor, longest_normaliser) == 0.0
+
+
 def _lambda_values(value, name: str, reads_device: bool) -> torch.Tensor:
     """``value`` (a number, nested lists of numbers, or a tensor) as a float32 tensor,
     every element checked finite and >= 0 unless it is device data that may not be read."""

@@ -12,8 +12,8 @@ import dataclasses
 import pytest
 import torch
 
-from sparse_attn.kernels import (SPLIT_K, TILE_K, TILE_Q, BatchMeta, LayerSpec, paged_attention,
-                                 paged_attention_counts)
+from sparse_attn.kernels import (SPLIT_K, TILE_K, TILE_Q, BatchMeta, LayerSpec, effective_lambda, never_skips,
+                                 paged_attention, paged_attention_counts)
 
 from .kernel_reference import add_sink_token, gather_seq, make_batch, reference  # noqa: F401  (re-exported)
 
@@ -489,6 +489,16 @@ def test_effective_lambda_of_a_window_curve_divides_by_min_of_kv_len_and_window(
     assert isinstance(host, float) and host == pytest.approx(expected, rel=1e-12)
     device = effective_lambda(scale, torch.tensor([kv_len], dtype=torch.int32), window)
     assert device.tolist() == [torch.tensor(expected, dtype=torch.float32).item()]
+
+
+@pytest.mark.parametrize("scale, longest, expected", [
+    (100.0, 101, False), (100.0, 100, True), (100.0, 50, True), (0.5, 1, False), (None, 4096, True), (3.0, 0, True),
+], ids=["lambda-just-below-1", "lambda-1", "lambda-2", "lambda-half", "no-curve", "no-length"])
+def test_never_skips_is_effective_lambda_zero_at_the_longest_normaliser(scale, longest, expected):
+    assert never_skips(scale, longest) is expected
+    assert expected == (effective_lambda(scale, longest) == 0.0)
+    if not expected:     # lambda falls with the length: a phase that skips at `longest` skips beyond it too
+        assert all(effective_lambda(scale, n) > 0 for n in (longest, 2 * longest, 10 * longest))
 
 
 @pytest.mark.parametrize("window", [0, -1, 2.5, True], ids=["zero", "negative", "float", "bool"])
