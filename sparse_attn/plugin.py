@@ -24,7 +24,7 @@ from sparse_attn import warmup
 from sparse_attn.adapter import Policy, SparseAttentionMixin, layer_device, make_sparse
 from sparse_attn.config import SECTION_KEY, SparseAttentionConfig, StartupRefused, startup_notes
 from sparse_attn.kernels import support
-from sparse_attn.kernels import cpu_impl
+from sparse_attn.kernels import cpu_impl, never_skips
 from sparse_attn.protocol import CALIBRATION_ENV, PHASES, STATS_RPC
 from sparse_attn.stats import STATS
 
@@ -228,14 +228,14 @@ def policy_for_layer(policy: Policy, config: SparseAttentionConfig | None, info:
 
 
 def _phases_that_never_skip(policy: Policy) -> list[str]:
-    """Serving phases of a window-curve policy whose scale factor is ``>= window``: ``lambda = scale /
-    min(kv_len, w) >= 1`` at every length, which ``kernels.effective_lambda`` runs dense. The config alone
+    """Serving phases of a window-curve policy that never skip (``kernels.never_skips`` at the window:
+    ``lambda = scale / min(kv_len, w) >= 1`` at every length). The config alone
     cannot tell (it does not know the windows; ``SparseAttentionConfig.never_skip_warnings`` checks
     ``max_kv_len``): e.g. Gemma-3-270M's windowed prefill curve reaches 512 just above its 50 % target."""
     if policy.window is None or policy.calibration_scales is not None:
         return []
     return [phase for phase in PHASES
-            if (scale := policy.scale_factors.get(phase)) is not None and scale >= policy.window]
+            if (scale := policy.scale_factors.get(phase)) is not None and never_skips(scale, policy.window)]
 
 
 def describe_lambda(policy: Policy) -> str:

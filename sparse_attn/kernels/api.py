@@ -178,7 +178,9 @@ def paged_attention(
         check: ``True`` validates every argument; with ``batch.host`` that reads no device
             data, without it ``seq_lens`` / ``query_start_loc`` are copied to the host once
             and every used block id is checked (a device reduction).  ``"full"`` adds the
-            block-id check (and reads a device ``threshold``) even with ``batch.host``.
+            block-id check (and reads a device ``threshold``) even with ``batch.host``;
+            CPU tensors always get it (nothing to wait for), and the compiled CPU kernel
+            refuses an out-of-range id itself even with ``check=False``.
             ``False`` is the capture-safe path for CUDA graphs: nothing is validated and no
             device data is read on the host; ``threshold`` must be a float or a float32
             ``[S]`` device tensor (finite, >= 0: not checked), the grid is sized from

@@ -12,8 +12,8 @@ import dataclasses
 import pytest
 import torch
 
-from sparse_attn.kernels import (SPLIT_K, TILE_K, TILE_Q, BatchMeta, LayerSpec, paged_attention,
-                                 paged_attention_counts)
+from sparse_attn.kernels import (SPLIT_K, TILE_K, TILE_Q, BatchMeta, LayerSpec, effective_lambda, never_skips,
+                                 paged_attention, paged_attention_counts)
 
 from .kernel_reference import add_sink_token, gather_seq, make_batch, reference  # noqa: F401  (re-exported)
 
@@ -214,20 +214,35 @@ def _bad_inputs():
 
 
 BAD = _bad_inputs()
-#: Block ids are device data: with a host copy they are checked only under check="full".
-_DEVICE_ONLY = {"block-id-out-of-range", "block-id-negative"}
+#: Every implementation that runs on CPU tensors here; "compiled" fails (not skips) where the
+#: library cannot be built, as test_kernels_cpu.py does.
+CPU_IMPLS = ["torch", "compiled"]
 
 
+@pytest.mark.parametrize("impl", CPU_IMPLS)
 @pytest.mark.parametrize("host", [False, True], ids=["no-host-copy", "host-copy"])
 @pytest.mark.parametrize("name", list(BAD), ids=list(BAD))
-def test_bad_input_raises_value_error(name, host):
-    batch, kw = BAD[name](make_batch([40, 20], [5, 1], 4, 2, 16, 16), {"impl": "torch"})
+def test_bad_input_raises_value_error(name, host, impl):
+    """Every bad input is refused with a ValueError by every CPU implementation, with or
+    without a host copy of the lengths (block ids of CPU tensors are always checked)."""
+    batch, kw = BAD[name](make_batch([40, 20], [5, 1], 4, 2, 16, 16), {"impl": impl})
     with pytest.raises(ValueError, match="paged_attention|BatchMeta"):
-        if host:
+        if host:   # (the host copy itself refuses some bad lengths)
             batch = dataclasses.replace(batch, host=BatchMeta.from_host(batch.seq_lens, batch.query_start_loc))
-            if name in _DEVICE_ONLY:
-                kw["check"] = "full"
         paged_attention(batch, LayerSpec(0.25), **kw)
+
+
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+@pytest.mark.parametrize("bad", ["past", 10**8, -1], ids=["one-past-the-cache", "1e8", "negative"])
+def test_bad_block_id_message_names_the_id_the_range_and_the_fix(bad, impl):
+    batch = make_batch([40, 20], [5, 1], 4, 2, 16, 16, host=True)
+    n = batch.key_cache.shape[0]
+    bad = n if bad == "past" else bad
+    batch.block_table[0, 1] = bad
+    with pytest.raises(ValueError) as err:
+        paged_attention(batch, LayerSpec(0.25), threshold=0.1, impl=impl)
+    msg = str(err.value)
+    assert f"block_table[0, 1] out of range: got {bad}" in msg and f"[0, {n})" in msg and "Fix:" in msg, msg
 
 
 @pytest.mark.parametrize("thresholds", [[0.1, -1.0], [float("nan")], torch.ones(2, 2)],
@@ -474,6 +489,16 @@ def test_effective_lambda_of_a_window_curve_divides_by_min_of_kv_len_and_window(
     assert isinstance(host, float) and host == pytest.approx(expected, rel=1e-12)
     device = effective_lambda(scale, torch.tensor([kv_len], dtype=torch.int32), window)
     assert device.tolist() == [torch.tensor(expected, dtype=torch.float32).item()]
+
+
+@pytest.mark.parametrize("scale, longest, expected", [
+    (100.0, 101, False), (100.0, 100, True), (100.0, 50, True), (0.5, 1, False), (None, 4096, True), (3.0, 0, True),
+], ids=["lambda-just-below-1", "lambda-1", "lambda-2", "lambda-half", "no-curve", "no-length"])
+def test_never_skips_is_effective_lambda_zero_at_the_longest_normaliser(scale, longest, expected):
+    assert never_skips(scale, longest) is expected
+    assert expected == (effective_lambda(scale, longest) == 0.0)
+    if not expected:     # lambda falls with the length: a phase that skips at `longest` skips beyond it too
+        assert all(effective_lambda(scale, n) > 0 for n in (longest, 2 * longest, 10 * longest))
 
 
 @pytest.mark.parametrize("window", [0, -1, 2.5, True], ids=["zero", "negative", "float", "bool"])
