@@ -85,8 +85,8 @@ class BatchDescription:
       position is, for the kernel, exactly a decode step.
 
     ``uniform_decode`` (``max_query_len <= 1``, a host int) marks the batches
-    vLLM captures in full CUDA graphs; ``decode_mask()`` gives the per-sequence
-    phase on the device without reading device data.
+    vLLM captures in full CUDA graphs (the kernel itself tells a padded request, query
+    length 0, from its query offsets there).
     """
 
     num_tokens: int
@@ -114,11 +114,6 @@ class BatchDescription:
     def uniform_decode(self) -> bool:
         """Every query length is at most 1 (0 = a padded or finished request)."""
         return int(self.max_query_len) <= self.DECODE_QUERY_LEN
-
-    def decode_mask(self) -> torch.Tensor:
-        """``[S]`` bool on the device: the phase rule applied per sequence."""
-        query_lens = self.query_start_loc[1:] - self.query_start_loc[:-1]
-        return query_lens == self.DECODE_QUERY_LEN
 
     def host_lengths(self, exact: bool = True) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
         """``(query_start_loc, seq_lens, seq_lens_exact)`` as host ints, from vLLM's host copies

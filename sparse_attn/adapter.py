@@ -11,17 +11,16 @@ were). Per launch (``forward(*args, **kwargs)``, normalised by
   arguments, cascade or non-causal launches, and launches whose phases are all
   uncalibrated;
 * **uniform decode** (every query length <= 1: the batches vLLM captures in full
-  CUDA graphs): a capture-safe path that reads no device data on the host.
-  Lambdas ``scale / seq_len`` are computed on the device (``>= 1`` -> 0 = dense),
-  the phase mask comes from ``compat.model.BatchDescription.decode_mask``, the
-  kernel runs once with ``check=False``, and its counts are added to device
-  counters (``WorkerStats.add_device``);
-* **prefill and mixed batches** (vLLM runs attention eagerly there): the step's one
-  batch description (``compat.model.describe_batch``: vLLM's host copies of the lengths, or
-  one device read per step) gives each phase's rows, one kernel launch per phase with that
-  host copy (no device read per layer), each sequence with its own threshold
-  ``lambda = a * exp(b * target) / kv_len`` computed on the device, counts added to device
-  counters;
+  CUDA graphs): a capture-safe path that reads no device data on the host. On a GPU
+  the layer is the attention kernel alone (and its split merge): it computes each
+  sequence's ``lambda = scale / min(kv_len, w)`` and the dense rule from the policy's
+  scalars (``kernels.LambdaRule``), tells padded requests from the query offsets, and
+  adds its counts to the stats' persistent device counter (``WorkerStats.device_counter``);
+* **prefill and mixed batches** (vLLM runs attention eagerly there): one plan per step,
+  phase and policy (``_step_plan``, memoised on the step's ``compat.model.BatchDescription``:
+  the phase's rows and host copy, whether any lambda is > 0, the threshold, the tile map),
+  shared by every layer; one launch per phase, the step's first validated, the others
+  with ``check=False``; counts added to the device counters;
 * in calibration mode, the dense counting kernel for a grid of candidate scale
   factors, integer counts per phase (always eager: calibration runs enforce_eager).
 

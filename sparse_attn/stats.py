@@ -5,8 +5,8 @@ calibration) so they can be added across layers, steps and tensor-parallel
 ranks before any ratio is taken. The snapshot is the ``STATS_RPC`` answer
 (schema: ``sparse_attn.protocol.SNAPSHOT_KEYS``).
 
-Launches served on the capture-safe decode path add their counts to device
-tensors (``add_device``) without reading them; ``snapshot()`` and the periodic
+Serving launches add their counts to per-(phase, device) counter tensors
+(``device_counter``, the kernels add into them) without reading them; ``snapshot()`` and the periodic
 log line read them, outside any forward. ``adapter_calls`` counts Python calls
 of the sparse forward: steps replayed from a CUDA graph do not run Python, so
 they appear in the device counters only.
@@ -104,13 +104,6 @@ class WorkerStats:
                 if total is None:
                     total = self.device_counts[key] = torch.zeros(len(PHASE_COUNTERS), dtype=torch.int64, device=device)
         return total
-
-    def add_device(self, phase: str, counts: torch.Tensor) -> None:
-        """Add ``counts`` (int64 ``[len(PHASE_COUNTERS)]``, on the launch's device) in place,
-        without reading it (:meth:`device_counter`)."""
-        total = self.device_counter(phase, counts.device)
-        with self.lock:
-            total.add_(counts)
 
     def set_install(self, summary: dict, owner_classes: tuple[str, ...]) -> None:
         with self.lock:
