@@ -29,7 +29,7 @@ from sparse_attn.adapter import Policy, make_sparse
 from sparse_attn.stats import WorkerStats
 from tests.sparse_attn.test_adapter import (
     _FLASHINFER, B, D, HKV, HQ, INFO, MIXED_KV, MIXED_Q, N, NativeImpl, _decode_metadata, _FlashInferBuilder,
-    _mixed_step, build_batch,
+    _mixed_step, build_batch, forward_owns_the_write,  # noqa: F401  (autouse: CPU_ATTN, the forward writes)
 )
 
 #: ops that launch no device kernel: allocations (a captured graph takes them from its pool)
@@ -168,15 +168,6 @@ def flashinfer_builder(monkeypatch):
     compat.reset_for_tests()
 
 
-@pytest.fixture
-def cpu_attn(monkeypatch):
-    monkeypatch.setenv("SPARSE_ATTN_KV_LAYOUT", "CPU_ATTN=cpu-packed")
-    monkeypatch.setenv("SPARSE_ATTN_CACHE_WRITER", "adapter")
-    compat.reset_for_tests()
-    yield
-    compat.reset_for_tests()
-
-
 def _report(what: str, count: LayerCount) -> None:
     print(f"\n{what}: {len(count.torch_ops)} torch ops + {count.kernels} kernel launches = {count.total} "
           f"(writer {len(count.writer_ops)}): {count.torch_ops}")
@@ -214,7 +205,7 @@ def test_captured_decode_layer_launches(window, flashinfer_builder, monkeypatch)
 
 
 @pytest.mark.parametrize("kernel", ["torch", "compiled"])
-def test_cpu_decode_layer_launches(kernel, cpu_attn, monkeypatch):
+def test_cpu_decode_layer_launches(kernel, monkeypatch):
     counts = _step(functools.partial(_cpu_layer, [1, 1, 1], [40, 9, 63]), kernel, monkeypatch)
     plan_ops = _check_step(f"{kernel} decode", counts, CPU_DECODE_LAYER_BUDGET[kernel], kernels=1)
     assert plan_ops <= PLAN_BUDGET, counts[0].torch_ops
@@ -228,7 +219,7 @@ def test_mixed_step_layer_launches(flashinfer_builder, monkeypatch):
 
 
 @pytest.mark.parametrize("kernel", ["torch", "compiled"])
-def test_cpu_mixed_step_layer_launches(kernel, cpu_attn, monkeypatch):
+def test_cpu_mixed_step_layer_launches(kernel, monkeypatch):
     counts = _step(functools.partial(_cpu_layer, [1, 20, 1, 7], [40, 30, 9, 50]), kernel, monkeypatch)
     plan_ops = _check_step(f"{kernel} mixed step", counts, CPU_MIXED_LAYER_BUDGET[kernel], kernels=2)
     assert plan_ops <= PLAN_BUDGET, counts[0].torch_ops
