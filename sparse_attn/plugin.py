@@ -21,7 +21,7 @@ from compat import envs, graphs, patches
 from compat import model as cmodel
 from compat import worker as cworker
 from sparse_attn import warmup
-from sparse_attn.adapter import Policy, SparseAttentionMixin, layer_device, make_sparse
+from sparse_attn.adapter import Policy, layer_device, make_sparse
 from sparse_attn.config import SECTION_KEY, SparseAttentionConfig, StartupRefused, startup_notes
 from sparse_attn.kernels import support
 from sparse_attn.kernels import cpu_impl, never_skips
@@ -121,6 +121,7 @@ def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, ra
     strict = envs.get("SPARSE_ATTN_STRICT")
     report = compat.probe()
     installed, native, backends, owners, features, curves, never_skip = 0, {}, set(), set(), {}, {}, {}
+    sparse_impls = []
     # A second install starts from the native model, so that its summary is the whole truth:
     # a layer it leaves native runs native, a layer it makes sparse runs with its policy.
     for layer, _ in cmodel.attention_layers(model):
@@ -137,7 +138,7 @@ def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, ra
         if reason is None:
             layer_policy = policy_for_layer(policy, config, info)
             try:
-                make_sparse(layer, info, layer_policy, STATS)
+                sparse_impls.append(make_sparse(layer, info, layer_policy, STATS))
             except (compat.ImplReplacementError, ValueError) as exc:   # ValueError: kernels.support.spec_for
                 reason = str(exc)
         if reason:
@@ -186,8 +187,7 @@ def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, ra
     STATS.set_install(summary, tuple(sorted(owners)))
     where = warmup.model_device_dtype(model) if installed else None
     if where is not None:     # every kernel variant compiled and the counters allocated before any capture
-        warmup.warm_up([layer.impl for layer, _ in layers if isinstance(layer.impl, SparseAttentionMixin)], STATS,
-                       device=where[0], dtype=where[1])
+        warmup.warm_up(sparse_impls, STATS, device=where[0], dtype=where[1])
     for key, n in sorted(never_skip.items()):
         phase, window = key.split(", window ")
         logger.warning(
