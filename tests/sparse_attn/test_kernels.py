@@ -168,8 +168,11 @@ def test_visited_tiles_follow_the_documented_geometry(kv_lens, q_lens):
             last_row = min(row0 + TILE_Q, q_len) - 1
             expected += (kv_len - q_len + last_row) // TILE_K + 1
     batch = make_batch(kv_lens, q_lens, 4, 2, 32, 16)
-    _, _, visited = _run(batch, scale=32 ** -0.5, threshold=0.0, return_counts=True)
+    # Counted under a lambda > 0 (visited tiles count only where a tile could be skipped).
+    _, _, visited = paged_attention_counts(batch, LayerSpec(32 ** -0.5), [0.5], impl="torch")
     assert visited.tolist() == [expected] * 4
+    _, _, visited = _run(batch, scale=32 ** -0.5, threshold=0.0, return_counts=True)
+    assert visited.tolist() == [0] * 4                     # lambda 0 everywhere: nothing countable
 
 
 # --------------------------------------------------------------------------- validation
