@@ -15,8 +15,9 @@ sample and phase.
 1. **pools** the samples per candidate: ``S(c) = sum skipped / sum visited``
    over all samples (:func:`pool`). This is the ratio serving reports for the
    same prompts at that scale: long samples weigh by their tiles, and a launch
-   where ``c / kv_len >= 1`` (serving runs it dense and counts nothing) counts
-   nothing here either;
+   where ``c / kv_len >= 1`` (serving runs it dense, and the kernels count no
+   visited tile of a sequence whose lambda is 0, in a batch too) counts nothing
+   here either;
 2. fits **where the target lies** (:func:`fit_phase`): ``scale_at_target`` is
    where the pooled curve, interpolated linearly in ``ln c`` between the two
    candidates that bracket the target, crosses it; the slope ``b`` comes from a

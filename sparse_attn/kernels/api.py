@@ -195,7 +195,8 @@ def paged_attention(
 
     Returns:
         ``out`` ``[T, Hq, D]`` in the query dtype (fp32 accumulation), or with
-        ``return_counts`` ``(out, skipped, visited)``, both int64 ``[Hq]`` tile counts.
+        ``return_counts`` ``(out, skipped, visited)``, both int64 ``[Hq]`` tile counts
+        (``visited``: the tiles of sequences whose lambda is > 0, ``_common`` "Counts").
     """
     out, skipped, visited = _run(batch, spec, threshold, None, return_counts, out, impl, split_k, check, counters)
     if return_counts:
@@ -225,7 +226,7 @@ def paged_attention_counts(
 
     Returns:
         ``(out, skipped, visited)``: ``out`` ``[T, Hq, D]`` dense output in the query
-        dtype, ``skipped`` int64 ``[n, Hq]``, ``visited`` int64 ``[Hq]`` (independent of
-        lambda).
+        dtype, ``skipped`` int64 ``[n, Hq]``, ``visited`` int64 ``[Hq]`` (the tiles of the
+        sequences with some candidate > 0, whatever the values: ``_common`` "Counts").
     """
     return _run(batch, spec, None, thresholds, True, out, impl, split_k, check)

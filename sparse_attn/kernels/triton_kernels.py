@@ -26,6 +26,13 @@ import triton.language as tl
 
 
 @triton.jit
+def _max_nan(a, b):
+    """Maximum that is NaN when either operand is (``tl.max`` / ``tl.maximum`` drop NaN):
+    the NaN policy of :mod:`sparse_attn.kernels._common`."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _logits(q, k, qk_scale, soft_cap, SOFT_CAP: tl.constexpr, FP32_DOT: tl.constexpr):
     """``[rows, BLOCK_N]`` logits of a K tile ``k`` [BLOCK_D, BLOCK_N] (any cache dtype)."""
     if FP32_DOT:
@@ -203,7 +210,7 @@ def paged_attn_kernel(
                          + offs_d[:, None] * stride_kd, mask=col0_ok[None, :] & d_ok[:, None], other=0.0)
             s0 = _logits(q, k0, qk_scale, soft_cap, SOFT_CAP, FP32_DOT)
             seen0 = col0_ok[None, :] & (cols0[None, :] <= limit[:, None]) & (cols0[None, :] >= lo[:, None])
-            m_seed = tl.max(tl.where(seen0, s0, float("-inf")), 1)
+            m_seed = tl.reduce(tl.where(seen0, s0, float("-inf")), 1, _max_nan)
     m_dense = m_seed
 
     for t in range(t_lo, t_hi):
@@ -216,7 +223,7 @@ def paged_attn_kernel(
         s = _logits(q, k, qk_scale, soft_cap, SOFT_CAP, FP32_DOT)
         seen = col_ok[None, :] & (cols[None, :] <= limit[:, None]) & (cols[None, :] >= lo[:, None])
         s = tl.where(seen, s, float("-inf"))
-        tile_max = tl.max(s, 1)
+        tile_max = tl.reduce(s, 1, _max_nan)                 # NaN policy: a NaN logit reaches the ratio
         m_seed = tl.where(t == anchor, tile_max, m_seed)
         # The rule's dense running max restarts from the anchor's maxima at every split
         # boundary after the anchor; the anchor itself is never skippable (+inf).
@@ -227,14 +234,14 @@ def paged_attn_kernel(
         e = tl.exp(tile_max - tl.where(no_max, 0.0, m_dense))
         e = tl.where(tile_max == float("-inf"), 0.0, tl.where(no_max, float("inf"), e))
         ratio = tl.where(row_ok, e, 0.0)
-        ratio_h = tl.max(tl.where(same_head, ratio[None, :], 0.0), 1)             # [HEADS]
+        ratio_h = tl.reduce(tl.where(same_head, ratio[None, :], 0.0), 1, _max_nan)  # [HEADS]
         ratio_h = tl.where(t == anchor, float("inf"), ratio_h)
-        m_dense = tl.maximum(m_dense, tile_max)
+        m_dense = _max_nan(m_dense, tile_max)
         if COUNT:
             skip_cnt += ((ratio_h[:, None] < thresh[None, :]) & prog_head_ok[:, None]).to(tl.int32)
         if ACCUMULATE:
             skip_h += ((ratio_h < lam_s) & prog_head_ok).to(tl.int32)
-        keep_h = (ratio_h >= lam_s) & prog_head_ok
+        keep_h = ~(ratio_h < lam_s) & prog_head_ok                                # a NaN ratio keeps the tile
         if tl.max(keep_h.to(tl.int32), 0) > 0:
             keep = tl.max(tl.where(same_head & keep_h[:, None], 1, 0), 0) > 0          # [ROWS]
             m_new = tl.where(keep, tl.maximum(m_ref, tile_max), m_ref)
@@ -277,7 +284,9 @@ def paged_attn_kernel(
     if COUNT:
         cnt_heads = ((pid * n_progs + sp) * num_q_heads + kv_head * GROUP + h_lo + prog_heads).to(tl.int64)
         tl.store(SKIP_CNT + cnt_heads[:, None] * BLOCK_T + offs_t[None, :], skip_cnt, mask=prog_head_ok[:, None])
-        tl.store(VIS_CNT + cnt_heads, tl.zeros([HEADS], tl.int32) + tl.maximum(t_hi - t_lo, 0), mask=prog_head_ok)
+        # Visited tiles count only for a sequence some counted lambda can skip in (_common).
+        n_vis = tl.where(tl.max(thresh, 0) > 0, tl.maximum(t_hi - t_lo, 0), 0)
+        tl.store(VIS_CNT + cnt_heads, tl.zeros([HEADS], tl.int32) + n_vis, mask=prog_head_ok)
     if ACCUMULATE:
         # Straight into the stats' persistent counter: tiles of sequences with lambda > 0 only.
         if lam_s > 0:

@@ -168,8 +168,11 @@ def test_visited_tiles_follow_the_documented_geometry(kv_lens, q_lens):
             last_row = min(row0 + TILE_Q, q_len) - 1
             expected += (kv_len - q_len + last_row) // TILE_K + 1
     batch = make_batch(kv_lens, q_lens, 4, 2, 32, 16)
-    _, _, visited = _run(batch, scale=32 ** -0.5, threshold=0.0, return_counts=True)
+    # Counted under a lambda > 0 (visited tiles count only where a tile could be skipped).
+    _, _, visited = paged_attention_counts(batch, LayerSpec(32 ** -0.5), [0.5], impl="torch")
     assert visited.tolist() == [expected] * 4
+    _, _, visited = _run(batch, scale=32 ** -0.5, threshold=0.0, return_counts=True)
+    assert visited.tolist() == [0] * 4                     # lambda 0 everywhere: nothing countable
 
 
 # --------------------------------------------------------------------------- validation
@@ -325,13 +328,16 @@ def test_counting_mode_per_sequence_candidates():
     assert skipped.shape == (len(base), hq) and skipped.dtype == torch.int64
     torch.testing.assert_close(out, _run(batch, scale=scale), atol=0, rtol=0)
     for j in range(len(base)):
-        expect = torch.zeros(hq, dtype=torch.int64)
+        expect, expect_vis = torch.zeros(hq, dtype=torch.int64), torch.zeros(hq, dtype=torch.int64)
         for s in range(n_seqs):
-            expect += reference(_seq_alone(batch, s), scale, lam=float(per_seq[j, s]))[1]
+            _, sk_s, vis_s, _ = reference(_seq_alone(batch, s), scale, lam=float(per_seq[j, s]))
+            expect, expect_vis = expect + sk_s, expect_vis + vis_s
         assert skipped[j].tolist() == expect.tolist()
-        # calibration predicts serving with the same per-sequence lambdas exactly
+        # calibration predicts serving with the same per-sequence lambdas exactly; serving counts
+        # visited tiles where its lambda is > 0 (none for candidate 0), counting mode where any is
         _, sk, v2 = _run(batch, scale=scale, threshold=per_seq[j], return_counts=True)
-        assert sk.tolist() == skipped[j].tolist() and v2.tolist() == vis.tolist()
+        assert sk.tolist() == skipped[j].tolist() and v2.tolist() == expect_vis.tolist()
+        assert v2.tolist() == (vis.tolist() if bool((per_seq[j] > 0).all()) else [0] * hq)
     # 1-D candidates are the 2-D candidates broadcast over sequences; nested lists work too.
     one_d = paged_attention_counts(batch, LayerSpec(scale), base.tolist(), impl="torch")[1]
     two_d = paged_attention_counts(batch, LayerSpec(scale), base[:, None].expand(-1, n_seqs).tolist(), impl="torch")[1]

@@ -426,6 +426,25 @@ def test_generic_build_matches_reference(generic_build, monkeypatch, case, dtype
     assert vis.tolist() == visited.tolist()
 
 
+@pytest.mark.parametrize("build", ["isa", "generic"])
+def test_exp_and_max_special_values_follow_the_nan_policy(build, generic_build):
+    """_common's NaN policy at the vector exp (NaN -> NaN, -inf -> 0, +inf -> +inf, in the
+    ISA build and the portable one alike; the AVX2 exp once turned NaN into 1.6e-38) and
+    tanh (NaN -> NaN, +-inf -> +-1 within 1 ulp)."""
+    if build == "isa":
+        lib = cpu_impl._state["lib"]
+    else:
+        root, key, _ = generic_build
+        lib = cpu_build._open(root / f"sparse_attn_cpu-{key}.so", "generic")
+    x = torch.tensor([float("nan"), float("-inf"), float("inf"), -100.0, 0.0, 1.0, 89.0, 1e30])
+    y = torch.empty_like(x)
+    lib.sa_exp(x.data_ptr(), y.data_ptr(), 8)
+    assert y[0].isnan() and y[1:].tolist() == [0.0, math.inf, 0.0, 1.0, pytest.approx(math.e, rel=2.4e-7),
+                                               math.inf, math.inf]
+    lib.sa_tanh(x.data_ptr(), y.data_ptr(), 8)
+    assert y[0].isnan() and y[1:3].tolist() == [pytest.approx(-1.0, abs=1e-7), pytest.approx(1.0, abs=1e-7)]
+
+
 # --------------------------------------------------------------------------- build, cache, choice rule
 
 @pytest.fixture

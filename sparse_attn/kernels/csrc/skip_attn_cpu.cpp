@@ -218,7 +218,7 @@ void store_out_rows(const SaCall& c, const Item& it, int64_t row0, int nr, const
     for (int i = 0; i < nr; ++i) {
       const int r = hh * nr + i;
       const float denom = l[r] + (c.sink_logits ? std::exp(c.sink_logits[head] - mref[r]) : 0.0f);
-      const float inv = denom > 0.0f ? c.v_scale / denom : 0.0f;
+      const float inv = (denom > 0.0f || denom != denom) ? c.v_scale / denom : 0.0f;  // NaN stays NaN
       const float* o = O + size_t(r) * D;
       T* dst = out + (row0 + i) * c.o_st + head * c.o_sh;
       for (int d = 0; d < D; ++d) from_f32(o[d] * inv, dst + d * c.o_sd);
@@ -264,6 +264,10 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
 
   const float lam_s = c.lam ? c.lam[s] : 0.0f;
   const bool count_here = c.num_counts > 0;
+  // Visited tiles are counted for a sequence some counted lambda can skip in (one > 0):
+  // serving's achieved sparsity and calibration's counts share that denominator (_common).
+  bool count_visited = false;
+  for (int j = 0; j < c.num_counts; ++j) count_visited |= c.count_lam[int64_t(j) * S + s] > 0.0f;
   const KVT* kh = static_cast<const KVT*>(c.k) + int64_t(kvh) * c.k_sh;  // this KV head's K and V
   const KVT* vh = static_cast<const KVT*>(c.v) + int64_t(kvh) * c.v_sh;
   const float* kpanel[TILE_K / PANEL];
@@ -360,7 +364,7 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
           float diff = NEG_INF;  // max over voting rows of tile_max - m_before
           for (int r = hh * nr; r < (hh + 1) * nr; ++r) {
             if (rowmax[r] == NEG_INF) continue;  // the row sees nothing of this tile: no vote
-            diff = std::max(diff, mdense[r] == NEG_INF ? POS_INF : rowmax[r] - mdense[r]);
+            diff = nmax(diff, mdense[r] == NEG_INF ? POS_INF : rowmax[r] - mdense[r]);  // NaN propagates
           }
           // max over rows of exp(.) = exp of the max: exp is monotonic.
           const float ratio = std::exp(diff);
@@ -369,11 +373,11 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
             for (int j = 0; j < c.num_counts; ++j)
               if (ratio < c.count_lam[int64_t(j) * S + s]) sk[int64_t(j) * c.num_q_heads] += 1;
           }
-          keep[hh] = !(ratio < lam_s);
+          keep[hh] = !(ratio < lam_s);  // a NaN ratio keeps the tile
         }
-        for (int r = 0; r < M; ++r) mdense[r] = std::max(mdense[r], rowmax[r]);
+        for (int r = 0; r < M; ++r) mdense[r] = nmax(mdense[r], rowmax[r]);
       }
-      if (count_here && kvh == 0 && it.h0 == 0) cnt.visited += 1;
+      if (count_visited && kvh == 0 && it.h0 == 0) cnt.visited += 1;
     }
     PROF(P_RULE);
     // ---- exp and row sums of the kept heads' rows
