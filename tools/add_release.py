@@ -38,6 +38,8 @@ machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import re
@@ -465,14 +467,28 @@ def uv_env() -> dict[str, str]:
     return env
 
 
+@contextlib.contextmanager
+def locked(directory: Path):
+    """Hold an exclusive lock on ``directory`` (``flock`` of ``directory/.lock``) for the block: the wheel
+    directory is shared by every run on the machine, and pip writes a wheel in place, so a second run
+    must not glob a half-written one."""
+    with open(directory / ".lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def download(spec: str, dest: Path) -> Path:
-    """The wheel of ``spec`` (``name==version``), downloaded once into ``dest``."""
+    """The wheel of ``spec`` (``name==version``), downloaded once into ``dest`` (under ``locked(dest)``)."""
     name, _, version = spec.partition("==")
     pattern = f"{name.replace('-', '_')}-{version}-*.whl"
-    found = sorted(dest.glob(pattern))
-    if not found:
-        run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:", "-d", dest, spec])
+    with locked(dest):
         found = sorted(dest.glob(pattern))
+        if not found:
+            run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:", "-d", dest, spec])
+            found = sorted(dest.glob(pattern))
     if not found:
         raise ReleaseError(f"pip download {spec} gave no wheel matching {pattern} in {dest}")
     return found[0]

@@ -302,3 +302,22 @@ def test_main_reports_a_missing_tool_in_one_line(tmp_path, monkeypatch, capsys):
     assert ar.main(["9.9.9", "--repo", str(ROOT), "--workdir", str(tmp_path / "w")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [err[0]] and err[0].startswith("tools/add-release: uv is missing") and "fix:" in err[0]
+
+
+def test_the_shared_wheel_directory_is_read_under_its_lock(tmp_path):
+    """A run that holds the wheel directory (downloading) makes another run's look-up wait for it."""
+    import subprocess
+    import time
+
+    (tmp_path / "demo_pkg-1.0-py3-none-any.whl").write_bytes(b"")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); "
+         "print('held', flush=True); time.sleep(1.5)", str(tmp_path / ".lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        start = time.monotonic()
+        assert ar.download("demo-pkg==1.0", tmp_path).name == "demo_pkg-1.0-py3-none-any.whl"
+        waited = time.monotonic() - start
+    finally:
+        holder.wait(timeout=30)
+    assert waited > 0.5, f"the look-up did not wait for the holder ({waited:.2f} s)"
