@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -123,6 +124,16 @@ def _parse_cpu_kernel(raw: str, var: EnvVar) -> str:
 
 def _parse_path(raw: str, var: EnvVar) -> str:
     return raw.strip()
+
+
+def _parse_module(raw: str, var: EnvVar) -> str:
+    value = raw.strip()
+    if value and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", value):
+        raise InvalidOverrideError(
+            f"{var.name}={shown(raw)} is not a module name", observed=shown(raw),
+            expected="a dotted module name such as vllm._cpu_ops", fix=f"unset {var.name} or set it to a module name",
+            vllm_version=None)
+    return value
 
 
 def _parse_flag(raw: str, var: EnvVar) -> bool:
@@ -234,6 +245,17 @@ REGISTRY: dict[str, EnvVar] = {
             choices="a directory path",
         ),
         EnvVar(
+            name="SPARSE_ATTN_CPU_OPS_MODULE",
+            default="",
+            doc=(
+                "The vLLM module whose Python wrappers of the CPU attention ops (`cpu_attn_reshape_and_cache`, "
+                "`cpu_attention_with_kv_cache`) tests and benchmarks call, instead of probing the candidates "
+                "(`compat.probe.CPU_OPS_MODULES`); it must import and hold both."
+            ),
+            parse=_parse_module,
+            choices="a dotted module name, e.g. vllm._cpu_ops",
+        ),
+        EnvVar(
             name="SPARSE_ATTN_DISABLE",
             default="0",
             doc="`1` turns the vLLM plugin off: every worker stays on native vLLM attention.",
@@ -270,7 +292,7 @@ REGISTRY: dict[str, EnvVar] = {
             default="0",
             doc=(
                 "Developer / CI only, read by `tools/prune_env.py` (not by the plugin): `1` removes each tox env "
-                "once its tests passed, which keeps the 19-env matrix within disk; `.ci/run` sets it."
+                "once its tests passed, which keeps the 20-env matrix within disk; `.ci/run` sets it."
             ),
             parse=_parse_flag,
             choices=", ".join(FLAG_FALSE[:1] + FLAG_TRUE[:1]),

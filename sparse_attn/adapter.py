@@ -138,7 +138,7 @@ class SparseAttentionMixin:
         n = batch.num_tokens
         isa = cmodel.layer_cpu_isa(call.layer)
         kv_dtype = info.features.kv_cache_dtype
-        if self._sa_writer is not None:
+        if self._sa_writer is not None and not call.tokens_stored:  # a fused op may have stored them (0.33+)
             k_scale, v_scale = cmodel.layer_kv_scales(call.layer)
             self._sa_writer(call.key[:n], call.value[:n], call.kv_cache, batch.slot_mapping[:n],
                             head_size=info.head_size, backend=info.backend, isa=isa, check=False,

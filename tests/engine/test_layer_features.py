@@ -55,10 +55,12 @@ GEMMA_PROMPT_LEN = 700
 
 def _native_reference_missing() -> str | None:
     """Why this vLLM's CPU attention cannot be the reference for these layers, or None."""
+    import compat
+
     try:
-        import vllm._custom_ops as ops
+        ops = compat.cpu_ops()  # vllm._custom_ops up to 0.33, vllm._cpu_ops from 0.34
     except Exception as exc:  # noqa: BLE001
-        return f"vLLM's ops are not importable: {exc}"
+        return f"vLLM's CPU ops are not importable: {exc}"
     wanted = {"sliding_window", "softcap", "s_aux"}
     have = set(inspect.signature(getattr(ops, "cpu_attention_with_kv_cache", lambda: None)).parameters)
     if not wanted <= have:
