@@ -29,7 +29,7 @@ import sys
 import pytest
 
 from sparse_attn.protocol import phase_totals
-from tests.engine.conftest import CALIBRATE_ARGS, engine_env, run_driver, skip_softmax_section
+from tests.engine.conftest import CALIBRATE_ARGS, copy_with_section, engine_env, run_driver, skip_softmax_section
 
 pytestmark = [
     pytest.mark.engine,
@@ -97,13 +97,7 @@ def test_a_ray_worker_process_loads_the_plugin_with_the_runtime_env():
 def ray_tp2_start(tiny_checkpoint, tmp_path_factory):
     """One TP=2 start under the Ray executor, sparse at a tiny lambda then native (``--then-native``)."""
     tmp = tmp_path_factory.mktemp("ray-tp2")
-    ckpt = tmp / "ckpt"
-    import shutil
-
-    shutil.copytree(tiny_checkpoint, ckpt)
-    config = json.loads((ckpt / "config.json").read_text())
-    config["sparse_attention_config"] = TINY
-    (ckpt / "config.json").write_text(json.dumps(config, indent=2))
+    ckpt = copy_with_section(tiny_checkpoint, tmp / "ckpt", TINY)
     out = tmp / "report.json"
     proc = run_driver(ckpt, out, "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray", "--then-native",
                       timeout=900, VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY="SPARSE_ATTN_")

@@ -32,14 +32,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import shutil
 import subprocess
 import sys
 
 import pytest
 
 from sparse_attn.protocol import phase_totals
-from tests.engine.conftest import HERE, engine_env, skip_softmax_section
+from tests.engine.conftest import HERE, copy_with_section, engine_env, skip_softmax_section
 
 pytestmark = [
     pytest.mark.engine,
@@ -54,11 +53,7 @@ SKIPPING = skip_softmax_section((3.0, 4.0), (3.0, 4.0), target=0.6)
 @pytest.fixture(scope="module")
 def reports(tiny_checkpoint, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("features")
-    ckpt = tmp / "tiny-lambda"
-    shutil.copytree(tiny_checkpoint, ckpt)
-    config = json.loads((ckpt / "config.json").read_text())
-    config["sparse_attention_config"] = TINY
-    (ckpt / "config.json").write_text(json.dumps(config, indent=2))
+    ckpt = copy_with_section(tiny_checkpoint, tmp / "tiny-lambda", TINY)
     (tmp / "skipping.json").write_text(json.dumps(SKIPPING))
     out = tmp / "reports.json"
     proc = subprocess.run([sys.executable, str(HERE / "serving_features_driver.py"), str(out), str(ckpt), str(tmp / "skipping.json")],
