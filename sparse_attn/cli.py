@@ -20,6 +20,7 @@ from sparse_attn.calibration.cli import DEFAULT_OUTPUT, calibrate
 from sparse_attn.config import DISABLE_HINT
 from sparse_attn.errors import EXIT_USAGE, CliError
 from sparse_attn.jsonio import shorten
+from sparse_attn.workloads.lengths import DEFAULT_CALIB_MAX_SEQLEN, DEFAULT_CALIB_MIN_SEQLEN
 
 
 def _add_calibrate(sub: argparse._SubParsersAction) -> None:
@@ -40,11 +41,11 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("checkpoint", help="Hugging Face checkpoint directory (config.json, weights, tokenizer)")
     add = p.add_argument
-    add("--calib_data_dir", "--calib-data-dir", help="directory holding samples.jsonl (format: sparse_attn.calibration.prompts)")
+    add("--calib_data_dir", "--calib-data-dir", help="directory holding samples.jsonl (format: sparse_attn.workloads.prompts)")
     add("--prompts_file", "--prompts-file", help="your own prompts: .jsonl/.json, or one prompt per line")
     add("--calib_samples", "--calib-samples", type=int, default=24, help="number of synthetic samples (default 24)")
-    add("--calib_max_seqlen", "--calib-max-seqlen", type=int, default=None, help="longest length bin in tokens; bins halve down to --calib_min_seqlen (default 16384, lowered to the model's context limit when that is shorter)")
-    add("--calib_min_seqlen", "--calib-min-seqlen", type=int, default=1024, help="shortest length bin in tokens (default 1024)")
+    add("--calib_max_seqlen", "--calib-max-seqlen", type=int, default=None, help=f"longest length bin in tokens; bins halve down to --calib_min_seqlen (default {DEFAULT_CALIB_MAX_SEQLEN}, lowered to the model's context limit when that is shorter)")
+    add("--calib_min_seqlen", "--calib-min-seqlen", type=int, default=DEFAULT_CALIB_MIN_SEQLEN, help=f"shortest length bin in tokens (default {DEFAULT_CALIB_MIN_SEQLEN})")
     add("--target_sparse_ratio", "--target-sparse-ratio", type=float, default=0.5, help="target fraction of KV tiles skipped, both phases (default 0.5)")
     add("--decode_tokens", "--decode-tokens", type=int, default=32, help="decode steps measured after each prefill; 0 calibrates prefill only (default 32)")
     add("--max_model_len", "--max-model-len", type=int, default=None, help="vLLM max_model_len, at most the model's context limit (default: --calib_max_seqlen)")

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from sparse_attn.calibration.prompts import CalibrationSample
+from sparse_attn.workloads.prompts import CalibrationSample
 from sparse_attn.calibration.fit import FitPoint
 from sparse_attn.calibration.fit import CalibrationError, SampleCounts, pool
 from sparse_attn.protocol import LAYER_KINDS, PHASES, calibration_env, merge_worker_counts

@@ -1,6 +1,6 @@
 """``sparse-attn eval CKPT``: the accuracy cost of skip-softmax through vLLM's own serving path.
 
-Builds held-out tasks (:mod:`sparse_attn.evaluation.tasks`), runs them once on native vLLM
+Builds held-out tasks (:mod:`sparse_attn.workloads.tasks`), runs them once on native vLLM
 (``SPARSE_ATTN_DISABLE=1``) and once per target with the plugin serving the checkpoint's curve at
 that target (the section is handed to vLLM as an HF-config override; the checkpoint is not
 touched), each configuration in a fresh engine process (:mod:`sparse_attn.evaluation.engine`), and
@@ -20,12 +20,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sparse_attn.calibration.cli import TASK_PROMPT_MARGIN, default_lengths
 from sparse_attn.errors import CliError
 from sparse_attn.evaluation import metrics
 from sparse_attn.evaluation.engine import PROGRESS_PREFIX
-from sparse_attn.evaluation.tasks import EVAL_TASKS, build_samples
 from sparse_attn.protocol import PHASES
+from sparse_attn.workloads.lengths import TASK_PROMPT_MARGIN, default_lengths
+from sparse_attn.workloads.tasks import EVAL_TASKS, build_samples
 
 ENGINE_TIMEOUT_S = 3600
 
@@ -141,7 +141,7 @@ def evaluate(args) -> int:
     tasks = _parse_list(args.tasks, str, "--tasks") if args.tasks else list(EVAL_TASKS)
     if unknown := [t for t in tasks if t not in EVAL_TASKS]:
         raise CliError(f"--tasks: unknown {unknown}; choose from {', '.join(EVAL_TASKS)}")
-    # Without --lengths: the bins calibrate uses without --calib_max_seqlen (one home: calibration.cli), so the
+    # Without --lengths: the bins calibrate uses without --calib_max_seqlen (one home: workloads.lengths), so the
     # two commands with their defaults see one prompt mix.
     lengths = (_parse_list(args.lengths, int, "--lengths") if args.lengths
                else sorted(default_lengths(model_cfg.get("text_config") or model_cfg)))

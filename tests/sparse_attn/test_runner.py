@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sparse_attn.calibration.prompts import CalibrationSample
+from sparse_attn.workloads.prompts import CalibrationSample
 from sparse_attn.calibration.fit import CalibrationError, SampleCounts, pool
 from sparse_attn.calibration.runner import PHASES, Measurement, candidate_scales, measure, merge_worker_counts
 from sparse_attn.stats import WorkerStats
