@@ -247,11 +247,13 @@ def main() -> int:
     if args.child:
         return child(args)
 
+    from compat import envs
+
     started = time.time()
     load_before = os.getloadavg()
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSE_ATTN_")}
+    env = envs.without_ours()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     env["SPARSE_ATTN_STATS_INTERVAL_S"] = "0"
     base = build_model(args, workdir)

@@ -305,6 +305,7 @@ def _check_environment(envs) -> bool:
     value (start-up would fail in every vLLM process), the internal calibration variable set
     by hand (workers would count tiles with dense outputs), an unknown name (a warning naming
     the closest known one). Returns whether the plugin is disabled."""
+    from sparse_attn import settings
     from sparse_attn.protocol import CALIBRATION_ENV
 
     errors = envs.validate_all()
@@ -312,8 +313,8 @@ def _check_environment(envs) -> bool:
         raise CliError("; ".join(errors.values()) + " (every vLLM process would fail to start the same way)")
     for warning in envs.unknown_warnings():
         say(f"warning: {warning}")
-    disabled = envs.get("SPARSE_ATTN_DISABLE")
-    if not disabled and envs.get(CALIBRATION_ENV) is not None:
+    disabled = settings.get("SPARSE_ATTN_DISABLE")
+    if not disabled and settings.get(CALIBRATION_ENV) is not None:
         raise CliError(
             f"{CALIBRATION_ENV} is set ({envs.shown(os.environ[CALIBRATION_ENV])}): it puts every worker in calibration "
             f"mode, which counts skippable tiles and serves dense outputs. Fix: unset {CALIBRATION_ENV}; only "
@@ -327,6 +328,7 @@ def serve(checkpoint: str, vllm_args: Sequence[str], *, validate_only: bool = Fa
     start-up policy, the server's own flags and environment), print the plugin's warnings,
     then exec vLLM's OpenAI server (unless ``validate_only``)."""
     from compat import envs, launch
+    from sparse_attn import settings
 
     if not checkpoint.strip():
         raise CliError("CKPT is empty; expected a checkpoint directory holding config.json, or a Hugging Face model ID. "
@@ -352,7 +354,7 @@ def serve(checkpoint: str, vllm_args: Sequence[str], *, validate_only: bool = Fa
             say(f"{source}: {why_not}; its sparse_attention_config is NOT validated here (vLLM downloads the "
                 f"model and the plugin checks the config in each worker, failing start-up if it is malformed)")
         else:
-            _validate(source, ckpt_dir, server, strict=envs.get("SPARSE_ATTN_STRICT"))
+            _validate(source, ckpt_dir, server, strict=settings.get("SPARSE_ATTN_STRICT"))
     command = serve_command(checkpoint, vllm_args)
     if validate_only:
         say("--validate-only: not starting vLLM; the command would be " + shorten(" ".join(command), 2000))

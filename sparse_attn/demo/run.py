@@ -209,11 +209,11 @@ def _eval_prompts(ckpt: Path, args) -> list[list[int]]:
 
 
 def _serve_and_generate(ckpt: Path, prompts: list[list[int]], log_path: Path, args, *, dense: bool) -> dict:
-    from compat import launch
+    from compat import envs, launch
     from compat.errors import CompatError
     from sparse_attn.demo.server import ServeProcess, phase_totals
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSE_ATTN_")}
+    env = envs.without_ours()
     if dense:
         env["SPARSE_ATTN_DISABLE"] = "1"
     env.setdefault("SPARSE_ATTN_STATS_INTERVAL_S", "0")

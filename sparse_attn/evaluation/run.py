@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from compat import envs
 from sparse_attn.errors import CliError
 from sparse_attn.evaluation import metrics
 from sparse_attn.evaluation.engine import PROGRESS_PREFIX
@@ -120,7 +121,7 @@ def _finished(job: dict, job_path: Path, out_path: Path) -> dict | None:
 
 
 def _engine_env(sparse: bool) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSE_ATTN_")}
+    env = envs.without_ours()
     env["SPARSE_ATTN_STATS_INTERVAL_S"] = "0"
     if not sparse:
         env["SPARSE_ATTN_DISABLE"] = "1"
