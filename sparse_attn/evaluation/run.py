@@ -42,13 +42,13 @@ def _parse_list(raw: str, kind, flag: str) -> list:
 
 
 def _checkpoint_config(ckpt: Path) -> tuple[dict, Any]:
-    from sparse_attn.config import SparseAttentionConfigError, read_config_json, read_section
+    from sparse_attn.config import SECTION_KEY, SparseAttentionConfigError, read_config_json, read_section
 
     if not (ckpt / "config.json").is_file():
         raise CliError(f"{ckpt} has no config.json; pass a Hugging Face checkpoint directory")
     try:
         data = read_config_json(ckpt)
-        reading = read_section(data.get("sparse_attention_config"), source=str(ckpt / "config.json"))
+        reading = read_section(data.get(SECTION_KEY), source=str(ckpt / "config.json"))
     except SparseAttentionConfigError as exc:
         raise CliError(str(exc)) from None
     if reading.config is None:
