@@ -8,11 +8,12 @@ see one prompt mix: sparsity at one threshold moves with the prompt length.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from sparse_attn.errors import CalibrationDataError
 
-__all__ = ["DEFAULT_CALIB_MAX_SEQLEN", "DEFAULT_CALIB_MIN_SEQLEN", "TASK_PROMPT_MARGIN", "default_lengths", "length_bins"]
+__all__ = ["DEFAULT_CALIB_MAX_SEQLEN", "DEFAULT_CALIB_MIN_SEQLEN", "TASK_PROMPT_MARGIN", "default_lengths", "largest_fitting",
+           "length_bins"]
 
 #: ``--calib_max_seqlen`` when not given; lowered to the model's limit when that is shorter.
 DEFAULT_CALIB_MAX_SEQLEN = 16384
@@ -51,3 +52,16 @@ def default_lengths(model_config: Mapping[str, Any]) -> list[int]:
     limit = model_length_limit(model_config)
     top = min(DEFAULT_CALIB_MAX_SEQLEN, limit[0]) if limit is not None else DEFAULT_CALIB_MAX_SEQLEN
     return length_bins(top, min(DEFAULT_CALIB_MIN_SEQLEN, top))
+
+
+def largest_fitting(lo: int, hi: int, fits: Callable[[int], bool]) -> int:
+    """Bisection between a haystack size that fits its budget (``fits(lo)``) and one that does not
+    (``not fits(hi)``): the last size that fits, probing the same sizes every time (the built-in
+    prompts are a pure function of their seed, so the search must be too)."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo

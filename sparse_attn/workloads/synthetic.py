@@ -58,7 +58,7 @@ from typing import Callable, Iterable
 from sparse_attn.errors import CalibrationDataError
 
 from . import text
-from .lengths import length_bins
+from .lengths import largest_fitting, length_bins
 from .prompts import CalibrationSample, Tokenizer
 
 __all__ = ["DEFAULT_LENGTH_SPREAD", "TASKS", "generate_calibration_samples", "qa_task"]
@@ -224,13 +224,7 @@ def _fit_to_budget(build: Callable[[int], tuple[str, tuple[str, ...]]], tokenize
         hi, lo = guess, max(1, int(guess * 0.9))
         while measure(lo) > budget:
             hi, lo = lo, max(1, lo // 2)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if measure(mid) <= budget:
-            lo = mid
-        else:
-            hi = mid
-    return cache[lo]
+    return cache[largest_fitting(lo, hi, lambda n: measure(n) <= budget)]
 
 
 #: Default fraction of each bin's prompt budget that the staggered prompt lengths cover (see the module docstring).

@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 from sparse_attn.errors import CalibrationDataError
 
 from . import text
+from .lengths import largest_fitting
 from .prompts import ChatTemplatePrompts
 from .synthetic import qa_task
 
@@ -201,10 +202,4 @@ def _largest(prompt_of: Callable[[int], tuple[list[int], tuple[str, ...]]], budg
     hi = lo + 1
     while size(hi) <= budget:
         lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if size(mid) <= budget:
-            lo = mid
-        else:
-            hi = mid
-    return cache[lo]
+    return cache[largest_fitting(lo, hi, lambda n: size(n) <= budget)]

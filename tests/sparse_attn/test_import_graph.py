@@ -41,28 +41,8 @@ def _modules(packages: tuple[str, ...] = PACKAGES) -> dict[str, Path]:
 
 
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    is_package = path.name == "__init__.py"
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            targets = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = name.split(".") if is_package else name.split(".")[:-1]
-                base = base[: len(base) - (node.level - 1)]
-                stem = ".".join(base + ([node.module] if node.module else []))
-            else:
-                stem = node.module or ""
-            # `from pkg import mod` imports the module pkg.mod; `from mod import name` imports mod.
-            targets = [f"{stem}.{alias.name}" if f"{stem}.{alias.name}" in modules else stem for alias in node.names]
-        else:
-            continue
-        for target in targets:
-            while target and target not in modules:  # `import a.b.c` of a name inside a module
-                target = target.rpartition(".")[0]
-            if target and target != name and not name.startswith(target + "."):
-                out.add(target)
-    return out
+    """The project modules ``name`` imports (see :func:`_edges`)."""
+    return {edge.target for edge in _edges(name, path, modules)}
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
