@@ -81,14 +81,14 @@ def prompts_for(ckpt: Path, n: int, length: int, seed: int, kind: str = "tasks")
     """``n`` distinct prompts of at most ``length`` tokens.
 
     ``tasks``: the project's synthetic long-context calibration tasks
-    (``sparse_attn.calibration.synthetic.generate_calibration_samples``: needle retrieval,
+    (``sparse_attn.workloads.synthetic.generate_calibration_samples``: needle retrieval,
     multi-key lookups, ...; repeated structure that the tiny model's retrieval heads
     lock onto). ``text``: English-like running text (``tiny_model.make_corpus``), on which
     the tiny model's attention is much flatter (little prefill sparsity, see RESULTS)."""
     if kind == "tasks":
         from transformers import AutoTokenizer
 
-        from sparse_attn.calibration.synthetic import generate_calibration_samples
+        from sparse_attn.workloads.synthetic import generate_calibration_samples
 
         tok = AutoTokenizer.from_pretrained(str(ckpt))
         samples = generate_calibration_samples(tok, num_samples=n, max_seqlen=length, min_seqlen=length,
@@ -247,11 +247,13 @@ def main() -> int:
     if args.child:
         return child(args)
 
+    from compat import envs
+
     started = time.time()
     load_before = os.getloadavg()
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSE_ATTN_")}
+    env = envs.without_ours()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     env["SPARSE_ATTN_STATS_INTERVAL_S"] = "0"
     base = build_model(args, workdir)

@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
             "receives, who writes new tokens into the cache, and which step decided each fact "
             "(env override, capability probe, or release table)."
         ),
-        epilog="Overrides: " + ", ".join(envs.REGISTRY) + " (see README.md).",
+        epilog="Overrides: " + ", ".join(envs.variables()) + " (see README.md).",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON for machines")
     parser.add_argument(
@@ -100,7 +100,7 @@ def render(report, invalid=(), cpu_ops=None) -> str:
         lines.append("overrides: " + ", ".join(f"{k}={envs.cut(v)}" + (" (INVALID)" if k in invalid else "")
                                                for k, v in report.overrides.items()))
     else:
-        lines.append("overrides: none (set " + " or ".join(list(envs.REGISTRY)[:2]) + " to force a decision)")
+        lines.append("overrides: none (set " + " or ".join([var.name for var in envs.COMPAT_VARIABLES[:2]]) + " to force a decision)")
     return "\n".join(lines)
 
 

@@ -20,6 +20,7 @@ import compat
 from compat import envs, graphs, patches
 from compat import model as cmodel
 from compat import worker as cworker
+from sparse_attn import settings
 from sparse_attn.adapter import Policy, make_sparse
 from sparse_attn.config import SECTION_KEY, SparseAttentionConfig, StartupRefused, startup_notes
 from sparse_attn.kernels import support
@@ -46,7 +47,7 @@ def register() -> None:
     imports it, so the API server, which never does, is left alone; the probe runs in
     the worker, at install."""
     _log_to_stderr()
-    if envs.get("SPARSE_ATTN_DISABLE"):
+    if settings.get("SPARSE_ATTN_DISABLE"):
         logger.info("sparse-attn: SPARSE_ATTN_DISABLE=1, vLLM attention left native")
         return
     for name in envs.validate_all():
@@ -85,7 +86,7 @@ def _load_config(worker: Any, *, calibrating: bool = False) -> SparseAttentionCo
     model = cworker.worker_checkpoint(worker)
     try:
         startup = startup_notes(cworker.worker_hf_config_section(worker, SECTION_KEY), source=f"the HF config of {model}",
-                                model=str(model), max_kv_len=cworker.worker_max_model_len(worker), strict=envs.get("SPARSE_ATTN_STRICT"))
+                                model=str(model), max_kv_len=cworker.worker_max_model_len(worker), strict=settings.get("SPARSE_ATTN_STRICT"))
     except StartupRefused as exc:
         raise SparseAttentionStartupError(f"sparse-attn: {exc}") from None
     for note in (*envs.unknown_warnings(), *startup.warnings):
@@ -99,7 +100,7 @@ def _load_config(worker: Any, *, calibrating: bool = False) -> SparseAttentionCo
 def install_in_worker(worker: Any) -> dict:
     """Replace the impl of every attention layer the checkpoint's config targets.
     Returns (and logs) the worker's install report."""
-    scales = envs.get(CALIBRATION_ENV)
+    scales = settings.get(CALIBRATION_ENV)
     config = _load_config(worker, calibrating=scales is not None)
     if config is None and scales is None:
         summary = {"rank": cworker.worker_rank(worker), "installed": 0, "total": 0,
@@ -109,7 +110,7 @@ def install_in_worker(worker: Any) -> dict:
     policy = Policy(
         scale_factors={p: config.scale_factor(p) for p in PHASES} if config else {},
         calibration_scales=scales,
-        stats_interval_s=envs.get("SPARSE_ATTN_STATS_INTERVAL_S"),
+        stats_interval_s=settings.get("SPARSE_ATTN_STATS_INTERVAL_S"),
     )
     return install(cworker.worker_model(worker), config, policy, rank=cworker.worker_rank(worker))
 
@@ -117,7 +118,7 @@ def install_in_worker(worker: Any) -> dict:
 def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, rank: int = 0) -> dict:
     """Make every attention layer of ``model`` that ``config`` targets and the kernels serve
     sparse; returns (and logs) the install summary the stats RPC also returns."""
-    strict = envs.get("SPARSE_ATTN_STRICT")
+    strict = settings.get("SPARSE_ATTN_STRICT")
     report = compat.probe()
     installed, native, backends, owners, features, curves, never_skip = 0, {}, set(), set(), {}, {}, {}
     # A second install starts from the native model, so that its summary is the whole truth:

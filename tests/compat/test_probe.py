@@ -157,7 +157,7 @@ def test_version_sources(install_stub, dist, version, expected):
 
 
 def test_env_overrides_win_and_are_recorded(install_stub, monkeypatch):
-    for name in envs.REGISTRY:  # tox sets SPARSE_ATTN_CPU_KERNEL_CACHE for every env
+    for name in envs.variables():  # tox sets SPARSE_ATTN_CPU_KERNEL_CACHE for every env
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("SPARSE_ATTN_KV_LAYOUT", "FLASHINFER=blocks-first")
     monkeypatch.setenv("SPARSE_ATTN_CACHE_WRITER", "adapter")

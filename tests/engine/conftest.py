@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from compat import envs
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 
@@ -45,7 +47,7 @@ def checkpoint_with(tiny_checkpoint, tmp_path):
 
 
 def engine_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSE_ATTN_")}
+    env = envs.without_ours()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     env.update(extra)
     return env
