@@ -23,7 +23,7 @@ For ``vllm==VER`` (the CUDA wheel, import-level on CPU) it
 
 A patch release of a recorded line (0.33.1 after 0.33.0) replaces that line's env, files and rows
 (README lists one row per line). Nothing is written before the closure was found. Heavy (env
-builds, an engine start): run it under ``flock /work/coord/heavy.lock`` on the shared machine.
+builds, an engine start): on a machine shared with other jobs, run it under a lock.
 """
 
 from __future__ import annotations
