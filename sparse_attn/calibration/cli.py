@@ -67,7 +67,7 @@ TASK_PROMPT_MARGIN = 40
 def default_lengths(model_config: Mapping[str, Any]) -> list[int]:
     """The length bins ``sparse-attn calibrate`` uses without ``--calib_max_seqlen`` / ``--calib_min_seqlen``
     (descending): ``sparse-attn eval`` scores the same lengths by default, so that the two commands with their
-    defaults see the same prompt mix (sparsity at one threshold moves with prompt length, README)."""
+    defaults see the same prompt mix (sparsity at one threshold moves with prompt length, docs/calibrate.md)."""
     from compat.launch import model_length_limit
     from sparse_attn.calibration.synthetic import length_bins
 
@@ -386,7 +386,7 @@ def _fit_kinds(measurement, target: float) -> tuple[dict[str, dict[str, Any]], l
 
     Each kind gets its own curve because one pooled curve misses the target on both kinds
     (Gemma-3-270M, 50 % decode target: 65.5 % global / 35.3 % windowed held out, a curve per kind
-    51.9 % / 46.4 %; README "Gemma-3-270M"). Windowed counts were taken at ``c / min(kv_len, w)``."""
+    51.9 % / 46.4 %; docs/kernels.md). Windowed counts were taken at ``c / min(kv_len, w)``."""
     fits: dict[str, dict[str, Any]] = {}
     errors = []
     for kind in measurement.kinds:
