@@ -1,4 +1,4 @@
-"""The env registry: parsing, refusal of bad values, and docs/compat.md's table in step with it."""
+"""The env registry: parsing, refusal of bad values, and README in step with it."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import pytest
 import compat
 from compat import envs
 
-#: the environment-variable table lives in the compat page (README links to it)
-ENV_TABLE_DOC = Path(__file__).resolve().parents[2] / "docs" / "compat.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
+#: the environment-variable table: the compat page, which README links to
+ENV_TABLE_DOC = README.parent / "docs" / "compat.md"
 
 
 @pytest.fixture(autouse=True)
@@ -77,7 +78,8 @@ def test_defaults(monkeypatch):
     assert envs.get("SPARSE_ATTN_CPU_KERNEL") == "auto" and envs.get("SPARSE_ATTN_CPU_KERNEL_CACHE") == ""
 
 
-def test_docs_table_documents_every_variable_and_no_other():
+def test_readme_documents_every_variable_and_no_other():
+    """The table README links to (docs/compat.md) lists every variable with its default, and no other."""
     rows = re.findall(r"^\|\s*`(SPARSE_ATTN_[A-Z0-9_]+)`\s*\|\s*`([^`]*)`\s*\|", ENV_TABLE_DOC.read_text(), flags=re.M)
     assert {name: default for name, default in rows} == {name: var.default for name, var in envs.REGISTRY.items()}
 
@@ -108,7 +110,7 @@ def test_every_layout_name_the_env_accepts_has_a_view_in_the_catalogue():
 @pytest.mark.parametrize("name", ["SPARSE_ATTN_KV_LAYOUT", "SPARSE_ATTN_CACHE_WRITER", "SPARSE_ATTN_DISABLE", "SPARSE_ATTN_STRICT",
                                   "SPARSE_ATTN_CPU_KERNEL"])
 def test_every_documented_choice_is_accepted(monkeypatch, name):
-    """The choices text shown by `python -m compat` and docs/compat.md lists only values the parser takes."""
+    """The choices text shown by `python -m compat` and the README lists only values the parser takes."""
     listed = [c.strip().removeprefix("backends ") for part in envs.REGISTRY[name].choices.split(";") for c in part.split(",")]
     backends = [c for c in listed if c in envs.BACKENDS]
     values = [c for c in listed if c not in envs.BACKENDS]
