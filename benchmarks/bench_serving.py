@@ -1,6 +1,6 @@
 """End-to-end serving throughput on a real vLLM engine: native vs the sparse-attn plugin.
 
-    PYTHONPATH=. python benchmarks/bench_serving.py --workdir /tmp/bench-serving \
+    PYTHONPATH=. python benchmarks/bench_serving.py --workdir DIR \
         --results benchmarks/RESULTS-serving.md
 
 Three configurations, each in its own engine (the plugin reads the checkpoint's
@@ -35,10 +35,12 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -208,7 +210,8 @@ def fmt_ratio(x: float | None) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 2)[2])
-    ap.add_argument("--workdir", default="/tmp/sparse-attn-bench-serving", help="checkpoints and per-run JSON go here")
+    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "sparse-attn-bench-serving"),
+                    help="checkpoints and per-run JSON go here (default: sparse-attn-bench-serving in the temporary directory)")
     ap.add_argument("--num-seqs", type=int, default=4, help="N: sequences per batch (default 4)")
     ap.add_argument("--prompt-len", type=int, default=2048, help="prompt tokens per sequence (default 2048)")
     ap.add_argument("--decode-tokens", type=int, default=32, help="M: decode tokens per sequence (default 32)")
@@ -334,7 +337,7 @@ def main() -> int:
     import torch
     import vllm
 
-    cmdline = "PYTHONPATH=. python " + " ".join([os.path.relpath(__file__, REPO)] + sys.argv[1:])
+    cmdline = "PYTHONPATH=. python " + " ".join([os.path.relpath(__file__, REPO)] + _placeholders(sys.argv[1:]))
     header = [
         f"Command: `{cmdline}`",
         "",
@@ -377,11 +380,34 @@ def _describe_model(args, base: Path) -> str:
             f"{cfg.get('num_key_value_heads', heads)} KV heads, head_dim {cfg.get('head_dim')}, served in fp32)")
 
 
+#: flags whose value is a path of this machine, and the placeholder the results file shows instead
+_PATH_FLAGS = {"--workdir": "DIR", "--model": "CKPT", "--results": "FILE"}
+
+
+def _placeholders(argv: list[str]) -> list[str]:
+    """``argv`` with each path-valued flag's value replaced by its placeholder (the results file is read
+    on other machines; the directories of this one mean nothing there)."""
+    out, hide = [], None
+    for arg in argv:
+        flag, eq, _ = arg.partition("=")
+        if hide:
+            out.append(hide)
+            hide = None
+        elif eq and flag in _PATH_FLAGS:
+            out.append(f"{flag}={_PATH_FLAGS[flag]}")
+        else:
+            out.append(arg)
+            hide = _PATH_FLAGS.get(arg)
+    return out
+
+
 def _cpu_kernel() -> str:
-    """What ``impl="auto"`` serves on CPU in a process of this environment (the workers share the build cache)."""
+    """What ``impl="auto"`` serves on CPU in a process of this environment (the workers share the build
+    cache), with the cache directory shown as ``CACHE``."""
     from sparse_attn.kernels import cpu_impl
 
-    return f"{cpu_impl.cpu_kernel()} ({cpu_impl.status().describe()})"
+    described = re.sub(r"[^\s,()]*/(sparse_attn_cpu-[^\s,()]+)", r"CACHE/\1", cpu_impl.status().describe())
+    return f"{cpu_impl.cpu_kernel()} ({described})"
 
 
 def _cpu_name() -> str:

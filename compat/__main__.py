@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
             "receives, who writes new tokens into the cache, and which step decided each fact "
             "(env override, capability probe, or release table)."
         ),
-        epilog="Overrides: " + ", ".join(envs.variables()) + " (see README.md).",
+        epilog="Overrides: " + ", ".join(envs.variables()) + " (see docs/compat.md).",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON for machines")
     parser.add_argument(

@@ -2,7 +2,7 @@
 
 Modelled on vLLM's ``envs.py``: each variable is declared once, with its
 default, its choices and its documentation, and is parsed once per process
-(``reset_for_tests()`` clears the cache). README.md documents each of them in
+(``reset_for_tests()`` clears the cache). docs/compat.md documents each of them in
 a table that ``tests/compat/test_envs.py`` keeps in step with this registry.
 An unset and an empty (or blank) variable both mean its default. Each
 variable's ``choices`` text is built from the tuples its parser validates
@@ -71,7 +71,7 @@ class EnvVar:
     doc: str
     #: ``parse(raw, var)``: raw is the variable's value, or ``default`` when it is unset or empty
     parse: Callable[[str, "EnvVar"], Any]
-    #: what values are valid, for ``python -m compat`` and the README (built from the
+    #: what values are valid, for ``python -m compat`` and docs/compat.md (built from the
     #: validation tuples above, never typed a second time)
     choices: str
     #: set by the project's own drivers for the processes they start, not by users

@@ -74,8 +74,10 @@ def _log_to_stderr() -> None:
             log.setLevel(logging.INFO)
 
 
-def _load_config(worker: Any, *, calibrating: bool = False) -> SparseAttentionConfig | None:
-    """The skip-softmax config of the model this worker loaded; None = native attention.
+def _load_config(worker: Any, *, calibrating: bool = False) -> tuple[SparseAttentionConfig | None, tuple[str, ...]]:
+    """The skip-softmax config of the model this worker loaded (None = native attention), and
+    the start-up warnings it logged (they also go into the install summary, so a caller reads
+    them from the stats RPC instead of the log's wording).
 
     Read from the HF config vLLM parsed (``compat.cworker.worker_hf_config_section``),
     so hub IDs, ``--revision`` and ``--hf-overrides`` behave like a local
@@ -89,22 +91,23 @@ def _load_config(worker: Any, *, calibrating: bool = False) -> SparseAttentionCo
                                 model=str(model), max_kv_len=cworker.worker_max_model_len(worker), strict=settings.get("SPARSE_ATTN_STRICT"))
     except StartupRefused as exc:
         raise SparseAttentionStartupError(f"sparse-attn: {exc}") from None
-    for note in (*envs.unknown_warnings(), *startup.warnings):
+    warned = (*envs.unknown_warnings(), *startup.warnings)
+    for note in warned:
         logger.warning("sparse-attn: %s", note)
     if not calibrating:  # counting mode installs without a config; "left native" would be false
         for note in startup.info:
             logger.info("sparse-attn: %s", note)
-    return startup.config
+    return startup.config, tuple(warned)
 
 
 def install_in_worker(worker: Any) -> dict:
     """Replace the impl of every attention layer the checkpoint's config targets.
     Returns (and logs) the worker's install report."""
     scales = settings.get(CALIBRATION_ENV)
-    config = _load_config(worker, calibrating=scales is not None)
+    config, warned = _load_config(worker, calibrating=scales is not None)
     if config is None and scales is None:
         summary = {"rank": cworker.worker_rank(worker), "installed": 0, "total": 0,
-                   "reason": "no skip-softmax sparse_attention_config"}
+                   "reason": "no skip-softmax sparse_attention_config", "startup_warnings": list(warned)}
         STATS.set_install(summary, ())
         return summary
     policy = Policy(
@@ -112,12 +115,14 @@ def install_in_worker(worker: Any) -> dict:
         calibration_scales=scales,
         stats_interval_s=settings.get("SPARSE_ATTN_STATS_INTERVAL_S"),
     )
-    return install(cworker.worker_model(worker), config, policy, rank=cworker.worker_rank(worker))
+    return install(cworker.worker_model(worker), config, policy, rank=cworker.worker_rank(worker), startup_warnings=warned)
 
 
-def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, rank: int = 0) -> dict:
+def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, rank: int = 0,
+            startup_warnings: tuple[str, ...] = ()) -> dict:
     """Make every attention layer of ``model`` that ``config`` targets and the kernels serve
-    sparse; returns (and logs) the install summary the stats RPC also returns."""
+    sparse; returns (and logs) the install summary the stats RPC also returns.
+    ``startup_warnings``: what reading the config warned about, kept in the summary."""
     strict = settings.get("SPARSE_ATTN_STRICT")
     report = compat.probe()
     installed, native, backends, owners, features, curves, never_skip = 0, {}, set(), set(), {}, {}, {}
@@ -182,6 +187,8 @@ def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, ra
         "cuda_graphs": {b: d.describe() for b, d in graphs.installed().items() if b in backends},
         # Which skip-softmax kernel runs the CPU layers (built or loaded here, once per worker).
         "cpu_kernel": cpu_impl.describe() if installed and _on_cpu(model) else None,
+        # The start-up policy's warnings for this config (sparse_attn.config.startup_notes), as logged.
+        "startup_warnings": list(startup_warnings),
     }
     STATS.set_install(summary, tuple(sorted(owners)))
     for key, n in sorted(never_skip.items()):

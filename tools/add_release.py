@@ -469,7 +469,7 @@ def uv_env() -> dict[str, str]:
 
 @contextlib.contextmanager
 def locked(directory: Path):
-    """Hold an exclusive lock on ``directory`` (``flock`` of ``directory/.lock``) for the block: the wheel
+    """Hold ``flock(LOCK_EX)`` on ``directory/.lock`` for the block: the wheel
     directory is shared by every run on the machine, and pip writes a wheel in place, so a second run
     must not glob a half-written one."""
     with open(directory / ".lock", "a") as handle:

@@ -19,7 +19,7 @@ compares every file it wrote with the committed one:
 
 Heavy (an env build, the matrix tests; with --cpu an engine start), and it needs the registries
 unless uv's cache and the scratch wheel directory (add-release-wheels in the system temp directory)
-already hold the wheels: one heavy job at a time on a busy machine. Not part of CI (tox env_list).
+already hold the wheels: on a machine shared with other jobs, run it under a lock. Not part of CI (tox env_list).
 """
 
 from __future__ import annotations

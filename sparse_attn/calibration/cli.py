@@ -365,7 +365,7 @@ def _fit_kinds(measurement, target: float) -> tuple[dict[str, dict[str, Any]], l
 
     Each kind gets its own curve because one pooled curve misses the target on both kinds
     (Gemma-3-270M, 50 % decode target: 65.5 % global / 35.3 % windowed held out, a curve per kind
-    51.9 % / 46.4 %; README "Gemma-3-270M"). Windowed counts were taken at ``c / min(kv_len, w)``."""
+    51.9 % / 46.4 %; docs/kernels.md). Windowed counts were taken at ``c / min(kv_len, w)``."""
     fits: dict[str, dict[str, Any]] = {}
     errors = []
     for kind in measurement.kinds:

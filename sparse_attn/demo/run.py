@@ -138,7 +138,7 @@ def _calibrate(args, ckpt: Path, report_path: Path, log_path: Path) -> dict:
         "--update_checkpoint_config",
     ]
     # SmolLM2's held-out prompts are the eval's kinds (natural-text needles, QA, ...), whose sparsity at one
-    # threshold differs from the synthetic generator's noise-heavy kinds by up to 25 points (README); the
+    # threshold differs from the synthetic generator's noise-heavy kinds by up to 25 points (docs/calibrate.md); the
     # tiny model's are the synthetic generator's at another seed.
     cmd += ["--calib_set", "synthetic" if args.model == "tiny" else "tasks"]
     _say("    " + " ".join(cmd[1:]))
