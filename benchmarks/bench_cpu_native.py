@@ -44,10 +44,11 @@ def main(argv=None) -> int:
     p.add_argument("--only", default="", help="comma-separated case names: " + ",".join(c[0] for c in CASES))
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    from vllm import _custom_ops as ops  # noqa: E402  (loads vLLM's CPU kernels)
-
+    import compat
     from bench_kernels import calibrate, make_inputs
     from compat import layouts
+
+    ops = compat.cpu_ops()  # loads vLLM's CPU kernels: vllm._custom_ops up to 0.33, vllm._cpu_ops from 0.34
     from sparse_attn.kernels import LayerSpec, PagedBatch, cpu_impl, paged_attention
 
     print(f"threads={a.threads} repeats={a.repeats} kernel={cpu_impl.status().describe()} "

@@ -1,6 +1,6 @@
 """End-to-end serving throughput on a real vLLM engine: native vs the sparse-attn plugin.
 
-    PYTHONPATH=. python benchmarks/bench_serving.py --workdir /tmp/bench-serving \
+    PYTHONPATH=. python benchmarks/bench_serving.py --workdir DIR \
         --results benchmarks/RESULTS-serving.md
 
 Three configurations, each in its own engine (the plugin reads the checkpoint's
@@ -35,10 +35,12 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -81,14 +83,14 @@ def prompts_for(ckpt: Path, n: int, length: int, seed: int, kind: str = "tasks")
     """``n`` distinct prompts of at most ``length`` tokens.
 
     ``tasks``: the project's synthetic long-context calibration tasks
-    (``sparse_attn.calibration.synthetic.generate_calibration_samples``: needle retrieval,
+    (``sparse_attn.workloads.synthetic.generate_calibration_samples``: needle retrieval,
     multi-key lookups, ...; repeated structure that the tiny model's retrieval heads
     lock onto). ``text``: English-like running text (``tiny_model.make_corpus``), on which
     the tiny model's attention is much flatter (little prefill sparsity, see RESULTS)."""
     if kind == "tasks":
         from transformers import AutoTokenizer
 
-        from sparse_attn.calibration.synthetic import generate_calibration_samples
+        from sparse_attn.workloads.synthetic import generate_calibration_samples
 
         tok = AutoTokenizer.from_pretrained(str(ckpt))
         samples = generate_calibration_samples(tok, num_samples=n, max_seqlen=length, min_seqlen=length,
@@ -208,7 +210,8 @@ def fmt_ratio(x: float | None) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 2)[2])
-    ap.add_argument("--workdir", default="/tmp/sparse-attn-bench-serving", help="checkpoints and per-run JSON go here")
+    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "sparse-attn-bench-serving"),
+                    help="checkpoints and per-run JSON go here (default: sparse-attn-bench-serving in the temporary directory)")
     ap.add_argument("--num-seqs", type=int, default=4, help="N: sequences per batch (default 4)")
     ap.add_argument("--prompt-len", type=int, default=2048, help="prompt tokens per sequence (default 2048)")
     ap.add_argument("--decode-tokens", type=int, default=32, help="M: decode tokens per sequence (default 32)")
@@ -247,11 +250,13 @@ def main() -> int:
     if args.child:
         return child(args)
 
+    from compat import envs
+
     started = time.time()
     load_before = os.getloadavg()
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSE_ATTN_")}
+    env = envs.without_ours()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     env["SPARSE_ATTN_STATS_INTERVAL_S"] = "0"
     base = build_model(args, workdir)
@@ -332,7 +337,7 @@ def main() -> int:
     import torch
     import vllm
 
-    cmdline = "PYTHONPATH=. python " + " ".join([os.path.relpath(__file__, REPO)] + sys.argv[1:])
+    cmdline = "PYTHONPATH=. python " + " ".join([os.path.relpath(__file__, REPO)] + _placeholders(sys.argv[1:]))
     header = [
         f"Command: `{cmdline}`",
         "",
@@ -375,11 +380,34 @@ def _describe_model(args, base: Path) -> str:
             f"{cfg.get('num_key_value_heads', heads)} KV heads, head_dim {cfg.get('head_dim')}, served in fp32)")
 
 
+#: flags whose value is a path of this machine, and the placeholder the results file shows instead
+_PATH_FLAGS = {"--workdir": "DIR", "--model": "CKPT", "--results": "FILE"}
+
+
+def _placeholders(argv: list[str]) -> list[str]:
+    """``argv`` with each path-valued flag's value replaced by its placeholder (the results file is read
+    on other machines; the directories of this one mean nothing there)."""
+    out, hide = [], None
+    for arg in argv:
+        flag, eq, _ = arg.partition("=")
+        if hide:
+            out.append(hide)
+            hide = None
+        elif eq and flag in _PATH_FLAGS:
+            out.append(f"{flag}={_PATH_FLAGS[flag]}")
+        else:
+            out.append(arg)
+            hide = _PATH_FLAGS.get(arg)
+    return out
+
+
 def _cpu_kernel() -> str:
-    """What ``impl="auto"`` serves on CPU in a process of this environment (the workers share the build cache)."""
+    """What ``impl="auto"`` serves on CPU in a process of this environment (the workers share the build
+    cache), with the cache directory shown as ``CACHE``."""
     from sparse_attn.kernels import cpu_impl
 
-    return f"{cpu_impl.cpu_kernel()} ({cpu_impl.status().describe()})"
+    described = re.sub(r"[^\s,()]*/(sparse_attn_cpu-[^\s,()]+)", r"CACHE/\1", cpu_impl.status().describe())
+    return f"{cpu_impl.cpu_kernel()} ({described})"
 
 
 def _cpu_name() -> str:

@@ -32,7 +32,7 @@ Writes ``<out>.json`` (every number, device name, versions) and ``<out>.md`` (su
 skips the graph capture (saying so), so CI keeps the script alive.
 
     python benchmarks/gpu_check.py --out $OUT/gpu-check          # on the GPU machine
-    python benchmarks/gpu_check.py --dry-run --out /tmp/gpu-check  # CPU smoke run
+    python benchmarks/gpu_check.py --dry-run --out DIR             # CPU smoke run
 """
 
 from __future__ import annotations

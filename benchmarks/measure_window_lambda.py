@@ -30,14 +30,14 @@ TILE = 64
 
 
 def prompts(tokenizer, length: int, count: int, seed: int = 0) -> list[list[int]]:
-    from sparse_attn.calibration.synthetic import _essay
+    from sparse_attn.workloads.text import essay
 
     out = []
     for i in range(count):
         rng = random.Random(seed * 1000 + i)
         ids: list[int] = []
         while len(ids) < length:
-            ids += tokenizer(" ".join(_essay(rng, 200)), add_special_tokens=False)["input_ids"]
+            ids += tokenizer(" ".join(essay(rng, 200)), add_special_tokens=False)["input_ids"]
         bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
         out.append((bos + ids)[:length])
     return out

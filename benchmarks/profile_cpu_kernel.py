@@ -57,8 +57,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     built = cpu_build.load(profile=True)
-    cpu_impl.status()
-    cpu_impl._state["lib"] = built.lib  # this process serves with the timed variant
+    cpu_impl.use_library(built.lib)  # this process serves with the timed variant
     buf = (ctypes.c_uint64 * len(PHASES))()
     keep = set(a.only.split(",")) if a.only else None
     print(f"profile build {built.path.name} ({built.target}); threads={a.threads} layout={a.layout} page={a.page_size} "

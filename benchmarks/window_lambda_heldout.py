@@ -2,7 +2,7 @@
 curve hit the target on a windowed model's windowed and global layers alike?
 
 Gemma 3 (``sparse-attn model get gemma-3-270m DIR``) runs in transformers (float32, CPU) on the
-eval's own prompt kinds (``sparse_attn.evaluation.tasks``: the ``calib`` stream to calibrate, the
+eval's own prompt kinds (``sparse_attn.workloads.tasks``: the ``calib`` stream to calibrate, the
 ``eval`` stream held out, as ``sparse-attn calibrate`` / ``eval`` use them).  Each layer's post-RoPE
 queries and keys are recorded and every visited (query tile, KV tile) gets its skip margin under the
 kernels' rule (64 x 64 tiles; a tile is skippable at lambda when every row of the query tile has
@@ -158,7 +158,7 @@ def solve(recs: list[Record], norm: str, target: float) -> tuple[float | None, f
 def collect(model, tok, stream: str, lengths, per_cell: int, decode_rows: int, seed: int, cache: str | None):
     """{(phase, anchor): [(length, kind, Record)]} over the stream's prompts; each prompt's margins are
     kept in ``cache`` (a directory) when given, so a run cut short resumes."""
-    from sparse_attn.evaluation.tasks import build_samples
+    from sparse_attn.workloads.tasks import build_samples
 
     samples = build_samples(tok, tasks=TASKS, lengths=lengths, per_cell=per_cell, seed=seed, stream=stream)
     out: dict[tuple[str, str], list] = {}
@@ -198,7 +198,7 @@ def collect(model, tok, stream: str, lengths, per_cell: int, decode_rows: int, s
 def check_against_kernel(model, tok) -> None:
     """The margins reproduce the kernels' own counts (anchor ``diagonal``, one split) on a 1024-token
     prompt, on a windowed and a global layer."""
-    from sparse_attn.evaluation.tasks import build_samples
+    from sparse_attn.workloads.tasks import build_samples
 
     ids = list(build_samples(tok, tasks=TASKS[:1], lengths=[1024], per_cell=1, seed=99, stream="calib")[0].prompt_token_ids)
     ids = ids[: len(ids) - len(ids) % TILE]

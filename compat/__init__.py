@@ -9,6 +9,8 @@ It exports the functions the version-free ``sparse_attn`` package calls:
 * ``write_kv_cache(key, value, kv_cache, slot_mapping, *, head_size, backend, isa=None)``;
 * ``cache_writer(backend)`` -> the writer the sparse forward path must call, or
   ``None`` when vLLM already stored the new tokens before ``forward``;
+* ``cpu_ops()`` -> the vLLM module holding the CPU attention op wrappers
+  (``vllm._custom_ops`` up to 0.33, ``vllm._cpu_ops`` from 0.34), for tests and benchmarks;
 * ``reset_for_tests()``.
 
 The other boundaries live in submodules: ``compat.worker`` (model-load hook,
@@ -20,6 +22,8 @@ worker RPC, replacing an impl, the impl ``forward`` call), ``compat.model``
 
 from __future__ import annotations
 
+import importlib
+import types
 from typing import Callable
 
 import torch
@@ -31,12 +35,13 @@ from compat.errors import (
     ImplReplacementError,
     InvalidOverrideError,
     KVWriteError,
+    OpsNotFoundError,
     UnknownBackendError,
     UnsupportedLayoutError,
     describe_version,
 )
 from compat.layouts import KVLayout
-from compat.probe import BackendReport, CompatReport, run_probe
+from compat.probe import CPU_OPS, BackendReport, CompatReport, OpsDecision, probe_cpu_ops, run_probe
 
 __all__ = [
     "BackendReport",
@@ -47,9 +52,12 @@ __all__ = [
     "InvalidOverrideError",
     "KVLayout",
     "KVWriteError",
+    "OpsNotFoundError",
     "UnknownBackendError",
     "UnsupportedLayoutError",
     "cache_writer",
+    "cpu_ops",
+    "cpu_ops_decision",
     "kv_cache_views",
     "probe",
     "reset_for_tests",
@@ -57,6 +65,7 @@ __all__ = [
 ]
 
 _report: CompatReport | None = None
+_cpu_ops: list[OpsDecision] = []  # cpu_ops_decision(), once
 #: backend name -> (view function, error-context function); built once from the report.
 _bound: dict[str, tuple[Callable, Callable[[], str]]] = {}
 
@@ -75,6 +84,7 @@ def reset_for_tests() -> None:
     global _report
     _report = None
     _bound.clear()
+    _cpu_ops.clear()
     patches.undo_all()
     envs.reset_for_tests()
 
@@ -161,3 +171,23 @@ def cache_writer(backend: str) -> Callable[..., None] | None:
     """
     return write_kv_cache if probe().backend(backend).writer == "adapter" else None
 
+
+def cpu_ops_decision() -> OpsDecision:
+    """Where vLLM's CPU attention op wrappers live, and why (decided once; ``python -m compat`` prints it)."""
+    if not _cpu_ops:
+        _cpu_ops.append(probe_cpu_ops())
+    return _cpu_ops[0]
+
+
+def cpu_ops() -> types.ModuleType:
+    """The vLLM module holding ``cpu_attn_reshape_and_cache``, ``cpu_attention_with_kv_cache`` and
+    the other CPU attention op wrappers: ``vllm._cpu_ops`` where it has them (0.34 on), else
+    ``vllm._custom_ops``. Raises ``OpsNotFoundError`` (an ImportError) when no candidate holds them."""
+    decision = cpu_ops_decision()
+    if decision.module is None:
+        raise OpsNotFoundError(
+            "vLLM's CPU attention ops are not found",
+            observed=decision.detail, expected=f"a module with {', '.join(CPU_OPS)}",
+            fix="set SPARSE_ATTN_CPU_OPS_MODULE to the module that holds them, or pin a vLLM release listed in README.md",
+            vllm_version=probe().vllm_version)
+    return importlib.import_module(decision.module)

@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
             "receives, who writes new tokens into the cache, and which step decided each fact "
             "(env override, capability probe, or release table)."
         ),
-        epilog="Overrides: " + ", ".join(envs.REGISTRY) + " (see README.md).",
+        epilog="Overrides: " + ", ".join(envs.variables()) + " (see docs/compat.md).",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON for machines")
     parser.add_argument(
@@ -54,7 +54,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compat --check: {verdict.line}")
         return verdict.code
     if report is not None:
-        print(json.dumps(report.as_dict(), indent=2, sort_keys=True) if args.json else render(report, invalid=errors))
+        ops = None
+        if report.vllm_version is not None:
+            try:
+                ops = compat.cpu_ops_decision()
+            except compat.CompatError as exc:
+                errors["SPARSE_ATTN_CPU_OPS_MODULE"] = str(exc)
+        if args.json:
+            print(json.dumps({**report.as_dict(), "cpu_ops": ops.as_dict() if ops else None}, indent=2, sort_keys=True))
+        else:
+            print(render(report, invalid=errors, cpu_ops=ops))
     for message in errors.values():
         print(f"compat: {message}", file=sys.stderr)
     for warning in envs.unknown_warnings():
@@ -62,8 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     return 2 if errors else 0
 
 
-def render(report, invalid=()) -> str:
-    """The human-readable report; ``invalid`` names the variables that failed to parse."""
+def render(report, invalid=(), cpu_ops=None) -> str:
+    """The human-readable report; ``invalid`` names the variables that failed to parse; ``cpu_ops``:
+    ``compat.cpu_ops_decision()`` where vLLM is installed."""
     if report.vllm_version is None:
         head = "vLLM: not installed (compat works on plain tensors; backends cannot be probed)"
     else:
@@ -81,12 +91,16 @@ def render(report, invalid=()) -> str:
     lines.append("")
     lines += [f"cuda graphs {name}: {b.graphs.describe()}" for name, b in report.backends.items() if b.graphs]
     lines += [f"fp8 cache writes {name}: {layouts.fp8_rounding(b.layout)}" for name, b in report.backends.items() if b.layout]
+    lines += [f"kv-cache update bypass {name}: declared (a fused op may store the tokens and call forward with key/value "
+              "None; the sparse path then only reads the cache)" for name, b in report.backends.items() if b.kv_update_bypass]
+    if cpu_ops is not None:
+        lines.append(f"cpu attention ops: {cpu_ops.module or 'NOT FOUND'} ({cpu_ops.source}: {cpu_ops.detail})")
     lines.append("")
     if report.overrides:
         lines.append("overrides: " + ", ".join(f"{k}={envs.cut(v)}" + (" (INVALID)" if k in invalid else "")
                                                for k, v in report.overrides.items()))
     else:
-        lines.append("overrides: none (set " + " or ".join(list(envs.REGISTRY)[:2]) + " to force a decision)")
+        lines.append("overrides: none (set " + " or ".join([var.name for var in envs.COMPAT_VARIABLES[:2]]) + " to force a decision)")
     return "\n".join(lines)
 
 

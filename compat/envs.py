@@ -1,22 +1,29 @@
-"""The one registry of environment variables read by this project.
+"""The one registry of environment variables read by this project, and compat's own variables.
 
 Modelled on vLLM's ``envs.py``: each variable is declared once, with its
 default, its choices and its documentation, and is parsed once per process
-(``reset_for_tests()`` clears the cache). README.md documents each of them in
+(``reset_for_tests()`` clears the cache). docs/compat.md documents each of them in
 a table that ``tests/compat/test_envs.py`` keeps in step with this registry.
 An unset and an empty (or blank) variable both mean its default. Each
 variable's ``choices`` text is built from the tuples its parser validates
 against, and layout names come from ``compat.layouts.KVLayout``.
+
+Declared here are the variables that steer compat's answers about vLLM (layout, cache writer,
+CUDA-graph level). The product's own knobs (which CPU kernel, strict mode, the plugin switch,
+calibration's counting mode, ...) are declared by ``sparse_attn.settings`` on this machinery and
+join the registry with :func:`register`. compat never imports sparse_attn: a package that
+declares variables names its module in the ``compat.envs`` entry-point group (``pyproject.toml``),
+which :func:`variables` loads on first use, so ``python -m compat`` lists, validates and
+spell-checks every variable even in a process that never imported that package.
 
 Nothing here imports vLLM.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -34,15 +41,15 @@ LAYOUT_NAMES: tuple[str, ...] = tuple(layout.value for layout in KVLayout)
 WRITER_CHOICES: tuple[str, ...] = ("auto", "vllm", "adapter")
 #: ``SPARSE_ATTN_CUDAGRAPH`` values (``compat.graphs.ENV_CAPS``).
 CUDAGRAPH_CHOICES: tuple[str, ...] = ("auto", "decode", "never")
-#: ``SPARSE_ATTN_CPU_KERNEL`` values (``sparse_attn.kernels.api.cpu_kernel`` applies them).
-CPU_KERNEL_CHOICES: tuple[str, ...] = ("auto", "compiled", "torch")
-#: Spellings ``_parse_flag`` accepts.
+#: Spellings ``parse_flag`` accepts.
 FLAG_TRUE: tuple[str, ...] = ("1", "true", "yes", "on")
 FLAG_FALSE: tuple[str, ...] = ("0", "false", "no", "off")
 #: The prefix of every variable this project reads: an unknown name with it is a typo.
 PREFIX = "SPARSE_ATTN_"
 #: Longest excerpt of a variable's value a message quotes (values can be any length).
 SHOWN_CHARS = 120
+#: The entry-point group whose members declare more variables (each names a module that calls :func:`register`).
+ENTRY_POINT_GROUP = "compat.envs"
 
 
 def shown(raw: str) -> str:
@@ -66,7 +73,7 @@ class EnvVar:
     doc: str
     #: ``parse(raw, var)``: raw is the variable's value, or ``default`` when it is unset or empty
     parse: Callable[[str, "EnvVar"], Any]
-    #: what values are valid, for ``python -m compat`` and the README (built from the
+    #: what values are valid, for ``python -m compat`` and docs/compat.md (built from the
     #: validation tuples above, never typed a second time)
     choices: str
     #: set by the project's own drivers for the processes they start, not by users
@@ -79,7 +86,7 @@ def _parse_layout_override(raw: str, var: EnvVar) -> Mapping[str, str]:
     if not raw:  # the default: no override
         return {}
     if "=" not in raw:
-        _check_choice(var, raw, LAYOUT_NAMES)
+        check_choice(var, raw, LAYOUT_NAMES)
         return {backend: raw for backend in BACKENDS}
     parsed: dict[str, str] = {}
     for item in raw.split(","):
@@ -94,8 +101,8 @@ def _parse_layout_override(raw: str, var: EnvVar) -> Mapping[str, str]:
                 f"separated by commas, e.g. {var.name}=FLASHINFER=packed,CPU_ATTN=cpu-packed. "
                 f"Valid: {var.choices}."
             )
-        _check_choice(var, backend, BACKENDS, what="backend")
-        _check_choice(var, layout, LAYOUT_NAMES)
+        check_choice(var, backend, BACKENDS, what="backend")
+        check_choice(var, layout, LAYOUT_NAMES)
         if backend in parsed:
             raise InvalidOverrideError(
                 f"{var.name}={shown(raw)}: backend {cut(backend)} is given twice ({shown(parsed[backend])} and {shown(layout)}). "
@@ -105,29 +112,34 @@ def _parse_layout_override(raw: str, var: EnvVar) -> Mapping[str, str]:
     return parsed
 
 
-def _parse_writer(raw: str, var: EnvVar) -> str:
-    value = raw.strip().lower()
-    _check_choice(var, value, WRITER_CHOICES)
-    return value
+def choice_parser(choices: tuple[str, ...]) -> Callable[[str, EnvVar], str]:
+    """A parser taking one of ``choices`` (stripped, lower case)."""
+
+    def parse(raw: str, var: EnvVar) -> str:
+        value = raw.strip().lower()
+        check_choice(var, value, choices)
+        return value
+
+    return parse
 
 
-def _parse_cudagraph(raw: str, var: EnvVar) -> str:
-    value = raw.strip().lower()
-    _check_choice(var, value, CUDAGRAPH_CHOICES)
-    return value
-
-
-def _parse_cpu_kernel(raw: str, var: EnvVar) -> str:
-    value = raw.strip().lower()
-    _check_choice(var, value, CPU_KERNEL_CHOICES)
-    return value
-
-
-def _parse_path(raw: str, var: EnvVar) -> str:
+def parse_path(raw: str, var: EnvVar) -> str:
+    """A path (stripped; ``""`` = the variable's documented default location)."""
     return raw.strip()
 
 
-def _parse_flag(raw: str, var: EnvVar) -> bool:
+def _parse_module(raw: str, var: EnvVar) -> str:
+    value = raw.strip()
+    if value and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", value):
+        raise InvalidOverrideError(
+            f"{var.name}={shown(raw)} is not a module name", observed=shown(raw),
+            expected="a dotted module name such as vllm._cpu_ops", fix=f"unset {var.name} or set it to a module name",
+            vllm_version=None)
+    return value
+
+
+def parse_flag(raw: str, var: EnvVar) -> bool:
+    """``1/true/yes/on`` -> True, ``0/false/no/off`` -> False (any case), else :class:`InvalidOverrideError`."""
     value = raw.strip().lower()
     if value in FLAG_TRUE:
         return True
@@ -139,7 +151,8 @@ def _parse_flag(raw: str, var: EnvVar) -> bool:
     )
 
 
-def _parse_nonnegative_float(raw: str, var: EnvVar) -> float:
+def parse_nonnegative_float(raw: str, var: EnvVar) -> float:
+    """A number >= 0 (NaN refused)."""
     try:
         value = float(raw)
     except ValueError:
@@ -151,25 +164,7 @@ def _parse_nonnegative_float(raw: str, var: EnvVar) -> float:
     return value
 
 
-def _parse_scale_list(raw: str, var: EnvVar) -> tuple[float, ...] | None:
-    """``""`` -> None; ``"[0.1, 2.5]"`` -> ``(0.1, 2.5)``: a JSON list of finite numbers > 0."""
-    if not raw.strip():
-        return None
-    try:
-        values = json.loads(raw)
-        ok = isinstance(values, list) and bool(values) and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in values)
-    except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested past the parser's ~1000 levels
-        ok = False
-    if not ok:
-        raise InvalidOverrideError(
-            f"{var.name} is not a JSON list of numbers > 0", observed=shown(raw), expected=var.choices,
-            fix=f"unset {var.name}: `sparse-attn calibrate` sets it for the engine it starts",
-        )
-    return tuple(float(v) for v in values)
-
-
-def _check_choice(var: EnvVar, value: str, choices: tuple[str, ...], what: str = "value") -> None:
+def check_choice(var: EnvVar, value: str, choices: tuple[str, ...], what: str = "value") -> None:
     if value not in choices:
         raise InvalidOverrideError(
             f"{var.name}: {what} {shown(value)} is not valid. Valid {what}s: {', '.join(choices)}. "
@@ -178,118 +173,92 @@ def _check_choice(var: EnvVar, value: str, choices: tuple[str, ...], what: str =
         )
 
 
-REGISTRY: dict[str, EnvVar] = {
-    var.name: var
-    for var in (
-        EnvVar(
-            name="SPARSE_ATTN_KV_LAYOUT",
-            default="",
-            doc=(
-                "Force the KV-cache layout instead of probing vLLM: one layout for every backend, "
-                "or `BACKEND=layout` pairs separated by commas."
-            ),
-            parse=_parse_layout_override,
-            choices=f"{', '.join(LAYOUT_NAMES)}; backends {', '.join(BACKENDS)}",
+#: compat's own variables: each steers an answer about vLLM.
+COMPAT_VARIABLES: tuple[EnvVar, ...] = (
+    EnvVar(
+        name="SPARSE_ATTN_KV_LAYOUT",
+        default="",
+        doc=(
+            "Force the KV-cache layout instead of probing vLLM: one layout for every backend, "
+            "or `BACKEND=layout` pairs separated by commas."
         ),
-        EnvVar(
-            name="SPARSE_ATTN_CACHE_WRITER",
-            default="auto",
-            doc=(
-                "Who stores new K/V tokens in the cache: `vllm` (its `do_kv_cache_update` runs before "
-                "`forward`), `adapter` (the sparse forward path writes), or `auto` (probe the backend's "
-                "`forward_includes_kv_cache_update`)."
-            ),
-            parse=_parse_writer,
-            choices=", ".join(WRITER_CHOICES),
+        parse=_parse_layout_override,
+        choices=f"{', '.join(LAYOUT_NAMES)}; backends {', '.join(BACKENDS)}",
+    ),
+    EnvVar(
+        name="SPARSE_ATTN_CACHE_WRITER",
+        default="auto",
+        doc=(
+            "Who stores new K/V tokens in the cache: `vllm` (its `do_kv_cache_update` runs before "
+            "`forward`), `adapter` (the sparse forward path writes), or `auto` (probe the backend's "
+            "`forward_includes_kv_cache_update`)."
         ),
-        EnvVar(
-            name="SPARSE_ATTN_CUDAGRAPH",
-            default="auto",
-            doc=(
-                "CUDA-graph level the builders of sparse backends declare to vLLM: `auto` and `decode` declare "
-                "min(native, UNIFORM_SINGLE_TOKEN_DECODE) (decode batches captured, prefill and mixed batches "
-                "piecewise with eager attention; `decode` pins it should `auto` change); `never` declares NEVER "
-                "(vLLM drops full graphs, keeps piecewise)."
-            ),
-            parse=_parse_cudagraph,
-            choices=", ".join(CUDAGRAPH_CHOICES),
+        parse=choice_parser(WRITER_CHOICES),
+        choices=", ".join(WRITER_CHOICES),
+    ),
+    EnvVar(
+        name="SPARSE_ATTN_CUDAGRAPH",
+        default="auto",
+        doc=(
+            "CUDA-graph level the builders of sparse backends declare to vLLM: `auto` and `decode` declare "
+            "min(native, UNIFORM_SINGLE_TOKEN_DECODE) (decode batches captured, prefill and mixed batches "
+            "piecewise with eager attention; `decode` pins it should `auto` change); `never` declares NEVER "
+            "(vLLM drops full graphs, keeps piecewise)."
         ),
-        EnvVar(
-            name="SPARSE_ATTN_CPU_KERNEL",
-            default="auto",
-            doc=(
-                "Which skip-softmax kernel serves CPU tensors: `compiled` (the C++ kernel, compiled on first use; "
-                "a failed build is an error), `torch` (the pure-torch kernel), or `auto` (the compiled kernel when it "
-                "builds here, else the torch kernel with one warning line)."
-            ),
-            parse=_parse_cpu_kernel,
-            choices=", ".join(CPU_KERNEL_CHOICES),
+        parse=choice_parser(CUDAGRAPH_CHOICES),
+        choices=", ".join(CUDAGRAPH_CHOICES),
+    ),
+    EnvVar(
+        name="SPARSE_ATTN_CPU_OPS_MODULE",
+        default="",
+        doc=(
+            "The vLLM module whose Python wrappers of the CPU attention ops (`cpu_attn_reshape_and_cache`, "
+            "`cpu_attention_with_kv_cache`) tests and benchmarks call, instead of probing the candidates "
+            "(`compat.probe.CPU_OPS_MODULES`); it must import and hold both."
         ),
-        EnvVar(
-            name="SPARSE_ATTN_CPU_KERNEL_CACHE",
-            default="",
-            doc=(
-                "Directory of the compiled CPU kernel's build cache (one library per source hash, torch version "
-                "and ISA); default `$XDG_CACHE_HOME/sparse-attn`, i.e. `~/.cache/sparse-attn`."
-            ),
-            parse=_parse_path,
-            choices="a directory path",
-        ),
-        EnvVar(
-            name="SPARSE_ATTN_DISABLE",
-            default="0",
-            doc="`1` turns the vLLM plugin off: every worker stays on native vLLM attention.",
-            parse=_parse_flag,
-            choices=", ".join(FLAG_FALSE[:1] + FLAG_TRUE[:1]),
-        ),
-        EnvVar(
-            name="SPARSE_ATTN_STRICT",
-            default="0",
-            doc="`1` makes any attention layer the sparse kernel cannot serve a start-up error instead of a native fallback.",
-            parse=_parse_flag,
-            choices=", ".join(FLAG_FALSE[:1] + FLAG_TRUE[:1]),
-        ),
-        EnvVar(
-            name="SPARSE_ATTN_CHECK_EVERY_LAUNCH",
-            default="0",
-            doc=(
-                "Debugging: `1` validates every kernel argument at every eager (prefill / mixed) launch; by "
-                "default the first launch of each step's plan validates and the other layers reuse it."
-            ),
-            parse=_parse_flag,
-            choices=", ".join(FLAG_FALSE[:1] + FLAG_TRUE[:1]),
-        ),
-        EnvVar(
-            name="SPARSE_ATTN_STATS_INTERVAL_S",
-            default="60",
-            doc="Seconds between the plugin's achieved-sparsity log lines in each worker; `0` turns them off.",
-            parse=_parse_nonnegative_float,
-            choices="a number >= 0",
-        ),
-        EnvVar(
-            name="SPARSE_ATTN_CALIBRATION_SCALES",
-            default="",
-            doc=(
-                "Internal: set by `sparse-attn calibrate` for the engine it starts. A JSON list of candidate "
-                "scale factors; workers then count skippable tiles per candidate and keep outputs dense."
-            ),
-            parse=_parse_scale_list,
-            choices="a JSON list of numbers > 0, e.g. [0.01, 0.5, 12.0]",
-            internal=True,
-        ),
-        EnvVar(
-            name="SPARSE_ATTN_PRUNE_PASSED_ENVS",
-            default="0",
-            doc=(
-                "Developer / CI only, read by `tools/prune_env.py` (not by the plugin): `1` removes each tox env "
-                "once its tests passed, which keeps the 19-env matrix within disk; `.ci/run` sets it."
-            ),
-            parse=_parse_flag,
-            choices=", ".join(FLAG_FALSE[:1] + FLAG_TRUE[:1]),
-            internal=True,
-        ),
-    )
-}
+        parse=_parse_module,
+        choices="a dotted module name, e.g. vllm._cpu_ops",
+    ),
+)
+
+#: Every registered variable by name: compat's, then each :func:`register` call's.
+_registry: dict[str, EnvVar] = {var.name: var for var in COMPAT_VARIABLES}
+_entry_points_loaded = False
+
+
+def register(*variables: EnvVar) -> None:
+    """Add ``variables`` to the registry (a package's own knobs, declared on this machinery).
+    Registering the same declaration again is a no-op; another one under a taken name is an error."""
+    for var in variables:
+        if not var.name.startswith(PREFIX):
+            raise ValueError(f"{var.name}: every variable of this project starts with {PREFIX}")
+        known = _registry.get(var.name)
+        if known is not None and known != var:
+            raise ValueError(f"{var.name} is already registered with another declaration")
+        _registry[var.name] = var
+
+
+def _load_entry_points() -> None:
+    """Import each module of the ``compat.envs`` entry-point group once (it registers its variables)."""
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            ep.load()
+        except Exception as exc:  # a broken installation must not hide compat's own variables
+            logger.warning("sparse-attn: the variables of %s (entry point %s) could not be loaded: %s: %s",
+                           ep.value, ep.name, type(exc).__name__, exc)
+
+
+def variables() -> dict[str, EnvVar]:
+    """Every registered variable by name (compat's and those of the ``compat.envs`` entry points),
+    in declaration order. The mapping is the registry itself: do not change it."""
+    _load_entry_points()
+    return _registry
 
 
 _cache: dict[str, Any] = {}
@@ -302,7 +271,7 @@ def get(name: str) -> Any:
     Unset and empty (or blank) mean the same thing for every variable: its default.
     """
     if name not in _cache:
-        var = REGISTRY[name]
+        var = _registry.get(name) or variables()[name]
         raw = os.environ.get(name)
         given = raw is not None and raw.strip() != ""
         value = var.parse(raw if given else var.default, var)
@@ -316,7 +285,7 @@ def get(name: str) -> Any:
 def validate_all() -> dict[str, str]:
     """Parse every registered variable; ``{name: error message}`` for each invalid one."""
     errors = {}
-    for name in REGISTRY:
+    for name in variables():
         try:
             get(name)
         except InvalidOverrideError as exc:
@@ -332,10 +301,11 @@ def unknown(environ: Mapping[str, str] | None = None) -> dict[str, str | None]:
     import difflib
 
     env = os.environ if environ is None else environ
+    known = variables()
     found = {}
     for name in sorted(env):
-        if name.upper().startswith(PREFIX) and name not in REGISTRY:
-            close = (difflib.get_close_matches(name.upper(), list(REGISTRY), n=1, cutoff=0.6)
+        if name.upper().startswith(PREFIX) and name not in known:
+            close = (difflib.get_close_matches(name.upper(), list(known), n=1, cutoff=0.6)
                      if len(name) < 128 else [])
             found[name] = close[0] if close else None
     return found
@@ -345,7 +315,7 @@ def unknown_warnings(environ: Mapping[str, str] | None = None) -> list[str]:
     """One sentence per unknown ``SPARSE_ATTN_*`` variable (see :func:`unknown`)."""
     return [
         f"{name[:80]} is not a variable sparse-attn reads, so it has no effect"
-        + (f"; did you mean {close}?" if close else f" (known: {', '.join(REGISTRY)})")
+        + (f"; did you mean {close}?" if close else f" (known: {', '.join(variables())})")
         + (" Variable names are case-sensitive." if not name.startswith(PREFIX) else "")
         for name, close in unknown(environ).items()
     ]
@@ -353,10 +323,18 @@ def unknown_warnings(environ: Mapping[str, str] | None = None) -> list[str]:
 
 def overrides() -> dict[str, str]:
     """The registered variables set in the environment, as raw strings."""
-    return {name: os.environ[name] for name in REGISTRY if name in os.environ}
+    return {name: os.environ[name] for name in variables() if name in os.environ}
 
 
 def reset_for_tests() -> None:
     """Forget parsed values so a test's ``monkeypatch.setenv`` takes effect."""
     _cache.clear()
     _logged.clear()
+
+
+def without_ours(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A copy of ``environ`` (default ``os.environ``) without any ``SPARSE_ATTN_*`` variable: the
+    environment of a process that must start from this project's defaults (a native reference engine,
+    a server whose variables the caller sets itself, a test's subprocess)."""
+    env = os.environ if environ is None else environ
+    return {name: value for name, value in env.items() if not name.startswith(PREFIX)}

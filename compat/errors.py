@@ -94,6 +94,10 @@ class ImplReplacementError(CompatError, TypeError):
     """An attention impl cannot be replaced by a sparse subclass (e.g. slots the copy cannot reach)."""
 
 
+class OpsNotFoundError(CompatError, ImportError):
+    """No module of the installed vLLM holds the native ops asked for (``compat.cpu_ops()``)."""
+
+
 def describe_version(version: str | None) -> str:
     """Human text for the installed vLLM release, for error messages."""
     return f"vLLM {version}" if version else "no vLLM installed"

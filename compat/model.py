@@ -172,7 +172,7 @@ def _window_tokens(raw: Any) -> int | None:
 
 
 def _attn_type(raw: Any) -> str:
-    # AttentionType holds plain strings in 0.15-0.33 ("decoder", ...); an enum member's value is used if it becomes one.
+    # AttentionType holds plain strings in 0.15-0.33 ("decoder", ...) and is a StrEnum from 0.34: a member's value is used.
     value = getattr(raw, "value", raw)
     return str(value).lower().rpartition(".")[2]
 

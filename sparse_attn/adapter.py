@@ -44,14 +44,18 @@ from compat import envs
 from compat import model as cmodel
 from compat import worker as cworker
 from sparse_attn.kernels import BatchMeta, LambdaRule, LayerSpec, PagedBatch, effective_lambda, paged_attention, paged_attention_counts
+from sparse_attn import settings
 from sparse_attn.kernels import support
+from sparse_attn.kernels.batch import COUNTER_SLOTS
 from sparse_attn.protocol import PHASES
-from sparse_attn.stats import STATS, WorkerStats
+from sparse_attn.stats import DEVICE_COUNTER_INDEX, STATS, WorkerStats
 
 logger = logging.getLogger("sparse_attn")
 
 DECODE, PREFILL = "decode", "prefill"
 assert set(PHASES) == {DECODE, PREFILL}
+# The kernels add their counts into the stats' device counters themselves (``counters=``).
+assert all(DEVICE_COUNTER_INDEX[name] == slot for name, slot in COUNTER_SLOTS.items()), COUNTER_SLOTS
 
 
 @dataclass(frozen=True)
@@ -143,7 +147,7 @@ class SparseAttentionMixin:
         n = batch.num_tokens
         isa = cmodel.layer_cpu_isa(call.layer)
         kv_dtype = info.features.kv_cache_dtype
-        if self._sa_writer is not None:
+        if self._sa_writer is not None and not call.tokens_stored:  # a fused op may have stored them (0.33+)
             k_scale, v_scale = cmodel.layer_kv_scales(call.layer)
             self._sa_writer(call.key[:n], call.value[:n], call.kv_cache, batch.slot_mapping[:n],
                             head_size=info.head_size, backend=info.backend, isa=isa, check=False,
@@ -245,7 +249,7 @@ class StepPlan:
         """``True`` for the step's first launch (full validation), ``False`` after, unless
         ``SPARSE_ATTN_CHECK_EVERY_LAUNCH`` asks for every launch."""
         first, self.validated = not self.validated, True
-        return first or bool(envs.get("SPARSE_ATTN_CHECK_EVERY_LAUNCH"))
+        return first or bool(settings.get("SPARSE_ATTN_CHECK_EVERY_LAUNCH"))
 
 
 def _step_plan(batch: cmodel.BatchDescription, phase: str, policy: Policy, rows: cmodel.PhaseRows | None) -> StepPlan:

@@ -20,6 +20,7 @@ from sparse_attn.calibration.cli import DEFAULT_OUTPUT, calibrate
 from sparse_attn.config import DISABLE_HINT
 from sparse_attn.errors import EXIT_USAGE, CliError
 from sparse_attn.jsonio import shorten
+from sparse_attn.workloads.lengths import DEFAULT_CALIB_MAX_SEQLEN, DEFAULT_CALIB_MIN_SEQLEN
 
 
 def _add_calibrate(sub: argparse._SubParsersAction) -> None:
@@ -40,11 +41,11 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("checkpoint", help="Hugging Face checkpoint directory (config.json, weights, tokenizer)")
     add = p.add_argument
-    add("--calib_data_dir", "--calib-data-dir", help="directory holding samples.jsonl (format: sparse_attn.calibration.prompts)")
+    add("--calib_data_dir", "--calib-data-dir", help="directory holding samples.jsonl (format: sparse_attn.workloads.prompts)")
     add("--prompts_file", "--prompts-file", help="your own prompts: .jsonl/.json, or one prompt per line")
     add("--calib_samples", "--calib-samples", type=int, default=24, help="number of synthetic samples (default 24)")
-    add("--calib_max_seqlen", "--calib-max-seqlen", type=int, default=None, help="longest length bin in tokens; bins halve down to --calib_min_seqlen (default 16384, lowered to the model's context limit when that is shorter)")
-    add("--calib_min_seqlen", "--calib-min-seqlen", type=int, default=1024, help="shortest length bin in tokens (default 1024)")
+    add("--calib_max_seqlen", "--calib-max-seqlen", type=int, default=None, help=f"longest length bin in tokens; bins halve down to --calib_min_seqlen (default {DEFAULT_CALIB_MAX_SEQLEN}, lowered to the model's context limit when that is shorter)")
+    add("--calib_min_seqlen", "--calib-min-seqlen", type=int, default=DEFAULT_CALIB_MIN_SEQLEN, help=f"shortest length bin in tokens (default {DEFAULT_CALIB_MIN_SEQLEN})")
     add("--target_sparse_ratio", "--target-sparse-ratio", type=float, default=0.5, help="target fraction of KV tiles skipped, both phases (default 0.5)")
     add("--decode_tokens", "--decode-tokens", type=int, default=32, help="decode steps measured after each prefill; 0 calibrates prefill only (default 32)")
     add("--max_model_len", "--max-model-len", type=int, default=None, help="vLLM max_model_len, at most the model's context limit (default: --calib_max_seqlen)")
@@ -304,6 +305,7 @@ def _check_environment(envs) -> bool:
     value (start-up would fail in every vLLM process), the internal calibration variable set
     by hand (workers would count tiles with dense outputs), an unknown name (a warning naming
     the closest known one). Returns whether the plugin is disabled."""
+    from sparse_attn import settings
     from sparse_attn.protocol import CALIBRATION_ENV
 
     errors = envs.validate_all()
@@ -311,8 +313,8 @@ def _check_environment(envs) -> bool:
         raise CliError("; ".join(errors.values()) + " (every vLLM process would fail to start the same way)")
     for warning in envs.unknown_warnings():
         say(f"warning: {warning}")
-    disabled = envs.get("SPARSE_ATTN_DISABLE")
-    if not disabled and envs.get(CALIBRATION_ENV) is not None:
+    disabled = settings.get("SPARSE_ATTN_DISABLE")
+    if not disabled and settings.get(CALIBRATION_ENV) is not None:
         raise CliError(
             f"{CALIBRATION_ENV} is set ({envs.shown(os.environ[CALIBRATION_ENV])}): it puts every worker in calibration "
             f"mode, which counts skippable tiles and serves dense outputs. Fix: unset {CALIBRATION_ENV}; only "
@@ -326,6 +328,7 @@ def serve(checkpoint: str, vllm_args: Sequence[str], *, validate_only: bool = Fa
     start-up policy, the server's own flags and environment), print the plugin's warnings,
     then exec vLLM's OpenAI server (unless ``validate_only``)."""
     from compat import envs, launch
+    from sparse_attn import settings
 
     if not checkpoint.strip():
         raise CliError("CKPT is empty; expected a checkpoint directory holding config.json, or a Hugging Face model ID. "
@@ -351,7 +354,7 @@ def serve(checkpoint: str, vllm_args: Sequence[str], *, validate_only: bool = Fa
             say(f"{source}: {why_not}; its sparse_attention_config is NOT validated here (vLLM downloads the "
                 f"model and the plugin checks the config in each worker, failing start-up if it is malformed)")
         else:
-            _validate(source, ckpt_dir, server, strict=envs.get("SPARSE_ATTN_STRICT"))
+            _validate(source, ckpt_dir, server, strict=settings.get("SPARSE_ATTN_STRICT"))
     command = serve_command(checkpoint, vllm_args)
     if validate_only:
         say("--validate-only: not starting vLLM; the command would be " + shorten(" ".join(command), 2000))

@@ -233,7 +233,7 @@ def _portable_config(staging: Path) -> None:
 
 
 # --------------------------------------------------------------------------- conversion
-def _require_converters() -> dict[str, str]:
+def require_converters() -> dict[str, str]:
     """Versions of what the conversion imports; a missing one is an error naming the extra."""
     from importlib import metadata
 
@@ -382,7 +382,7 @@ def install_model(name: str, dest: Path | None = None, *, say: Callable[[str], N
             else:
                 raise CliError(f"{dest} exists and is not a checkpoint `sparse-attn model get` wrote ({problem}); "
                                f"refusing to replace it. Fix: pass a new or empty DIR, or remove {dest}")
-        versions = _require_converters()
+        versions = require_converters()
         started = time.monotonic()
         staging = dest.parent / f"{_staging_prefix(dest)}{os.getpid()}.partial"
         shutil.rmtree(staging, ignore_errors=True)

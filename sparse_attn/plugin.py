@@ -20,7 +20,7 @@ import compat
 from compat import envs, graphs, patches
 from compat import model as cmodel
 from compat import worker as cworker
-from sparse_attn import warmup
+from sparse_attn import settings, warmup
 from sparse_attn.adapter import Policy, layer_device, make_sparse
 from sparse_attn.config import SECTION_KEY, SparseAttentionConfig, StartupRefused, startup_notes
 from sparse_attn.kernels import support
@@ -47,7 +47,7 @@ def register() -> None:
     imports it, so the API server, which never does, is left alone; the probe runs in
     the worker, at install."""
     _log_to_stderr()
-    if envs.get("SPARSE_ATTN_DISABLE"):
+    if settings.get("SPARSE_ATTN_DISABLE"):
         logger.info("sparse-attn: SPARSE_ATTN_DISABLE=1, vLLM attention left native")
         return
     for name in envs.validate_all():
@@ -74,8 +74,10 @@ def _log_to_stderr() -> None:
             log.setLevel(logging.INFO)
 
 
-def _load_config(worker: Any, *, calibrating: bool = False) -> SparseAttentionConfig | None:
-    """The skip-softmax config of the model this worker loaded; None = native attention.
+def _load_config(worker: Any, *, calibrating: bool = False) -> tuple[SparseAttentionConfig | None, tuple[str, ...]]:
+    """The skip-softmax config of the model this worker loaded (None = native attention), and
+    the start-up warnings it logged (they also go into the install summary, so a caller reads
+    them from the stats RPC instead of the log's wording).
 
     Read from the HF config vLLM parsed (``compat.cworker.worker_hf_config_section``),
     so hub IDs, ``--revision`` and ``--hf-overrides`` behave like a local
@@ -86,39 +88,42 @@ def _load_config(worker: Any, *, calibrating: bool = False) -> SparseAttentionCo
     model = cworker.worker_checkpoint(worker)
     try:
         startup = startup_notes(cworker.worker_hf_config_section(worker, SECTION_KEY), source=f"the HF config of {model}",
-                                model=str(model), max_kv_len=cworker.worker_max_model_len(worker), strict=envs.get("SPARSE_ATTN_STRICT"))
+                                model=str(model), max_kv_len=cworker.worker_max_model_len(worker), strict=settings.get("SPARSE_ATTN_STRICT"))
     except StartupRefused as exc:
         raise SparseAttentionStartupError(f"sparse-attn: {exc}") from None
-    for note in (*envs.unknown_warnings(), *startup.warnings):
+    warned = (*envs.unknown_warnings(), *startup.warnings)
+    for note in warned:
         logger.warning("sparse-attn: %s", note)
     if not calibrating:  # counting mode installs without a config; "left native" would be false
         for note in startup.info:
             logger.info("sparse-attn: %s", note)
-    return startup.config
+    return startup.config, tuple(warned)
 
 
 def install_in_worker(worker: Any) -> dict:
     """Replace the impl of every attention layer the checkpoint's config targets.
     Returns (and logs) the worker's install report."""
-    scales = envs.get(CALIBRATION_ENV)
-    config = _load_config(worker, calibrating=scales is not None)
+    scales = settings.get(CALIBRATION_ENV)
+    config, warned = _load_config(worker, calibrating=scales is not None)
     if config is None and scales is None:
         summary = {"rank": cworker.worker_rank(worker), "installed": 0, "total": 0,
-                   "reason": "no skip-softmax sparse_attention_config"}
+                   "reason": "no skip-softmax sparse_attention_config", "startup_warnings": list(warned)}
         STATS.set_install(summary, ())
         return summary
     policy = Policy(
         scale_factors={p: config.scale_factor(p) for p in PHASES} if config else {},
         calibration_scales=scales,
-        stats_interval_s=envs.get("SPARSE_ATTN_STATS_INTERVAL_S"),
+        stats_interval_s=settings.get("SPARSE_ATTN_STATS_INTERVAL_S"),
     )
-    return install(cworker.worker_model(worker), config, policy, rank=cworker.worker_rank(worker))
+    return install(cworker.worker_model(worker), config, policy, rank=cworker.worker_rank(worker), startup_warnings=warned)
 
 
-def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, rank: int = 0) -> dict:
+def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, rank: int = 0,
+            startup_warnings: tuple[str, ...] = ()) -> dict:
     """Make every attention layer of ``model`` that ``config`` targets and the kernels serve
-    sparse; returns (and logs) the install summary the stats RPC also returns."""
-    strict = envs.get("SPARSE_ATTN_STRICT")
+    sparse; returns (and logs) the install summary the stats RPC also returns.
+    ``startup_warnings``: what reading the config warned about, kept in the summary."""
+    strict = settings.get("SPARSE_ATTN_STRICT")
     report = compat.probe()
     installed, native, backends, owners, features, curves, never_skip = 0, {}, set(), set(), {}, {}, {}
     sparse_impls = []
@@ -183,6 +188,8 @@ def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, ra
         "cuda_graphs": {b: d.describe() for b, d in graphs.installed().items() if b in backends},
         # Which skip-softmax kernel runs the CPU layers (built or loaded here, once per worker).
         "cpu_kernel": cpu_impl.describe() if installed and _on_cpu(model) else None,
+        # The start-up policy's warnings for this config (sparse_attn.config.startup_notes), as logged.
+        "startup_warnings": list(startup_warnings),
     }
     STATS.set_install(summary, tuple(sorted(owners)))
     where = warmup.model_device_dtype(model) if installed else None

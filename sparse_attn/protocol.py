@@ -31,7 +31,7 @@ STATS_RPC = "sparse_attn_stats"
 
 #: Set by ``sparse-attn calibrate`` for the engine it starts: a JSON list of
 #: candidate scale factors (``lambda = scale / kv_len``). Workers inherit it and
-#: run in counting mode. Registered (internal) in ``compat.envs``.
+#: run in counting mode. Declared (internal) in ``sparse_attn.settings``.
 CALIBRATION_ENV = "SPARSE_ATTN_CALIBRATION_SCALES"
 
 #: Integer counters of one phase in a snapshot's ``phases[phase]``.

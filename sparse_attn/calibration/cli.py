@@ -30,24 +30,24 @@ from sparse_attn.calibration.export import (
     write_json_atomic,
 )
 from sparse_attn.calibration.fit import fit_counts
-from sparse_attn.calibration.prompts import (
+from sparse_attn.calibration.outputs import DEFAULT_OUTPUT, QWEN_DUAL_CHUNK_FILE, check_destinations, describe_kind
+from sparse_attn.calibration.runner import PHASES, candidate_scales, counting_mode_env, measure, served_layers
+from sparse_attn.config import SparseAttentionConfigError, read_config_json
+from sparse_attn.errors import CliError
+from sparse_attn.jsonio import JsonInputError, loads, shorten
+from sparse_attn.workloads.lengths import DEFAULT_CALIB_MAX_SEQLEN, TASK_PROMPT_MARGIN, length_bins
+from sparse_attn.workloads.prompts import (
     CalibrationSample,
     ChatTemplatePrompts,
     check_lengths,
     check_vocabulary,
     load_prompts,
 )
-from sparse_attn.calibration.runner import PHASES, candidate_scales, counting_mode_env, measure, served_layers
-from sparse_attn.calibration.synthetic import generate_calibration_samples
-from sparse_attn.calibration.outputs import DEFAULT_OUTPUT, QWEN_DUAL_CHUNK_FILE, check_destinations, describe_kind
-from sparse_attn.config import SparseAttentionConfigError, read_config_json
-from sparse_attn.errors import CliError
-from sparse_attn.jsonio import JsonInputError, loads, shorten
+from sparse_attn.workloads.synthetic import generate_calibration_samples
+from sparse_attn.workloads.tasks import EVAL_TASKS, build_samples
 
 __all__ = ["DEFAULT_OUTPUT", "QWEN_DUAL_CHUNK_FILE", "calibrate"]
 
-#: ``--calib_max_seqlen`` when not given; lowered to the model's limit when that is shorter.
-DEFAULT_CALIB_MAX_SEQLEN = 16384
 #: Upper bounds of the counts calibrate takes, each far above any real use and low enough
 #: that a typo (``--calib_samples 100000000000000000000``) is an error, not hours of work or
 #: an out-of-memory: synthetic samples (ModelOpt uses 24-64), candidate thresholds per phase
@@ -58,22 +58,6 @@ LIMITS: Mapping[str, int] = {"--calib_samples": 4096, "--num_candidates": 256, "
                              "--decode_tokens": 1 << 24}
 #: ``--seed`` range: vLLM seeds numpy, which takes 0 <= seed < 2**32.
 SEED_RANGE = (0, 2 ** 32 - 1)
-#: ``--calib_min_seqlen`` when not given (the parser's default).
-DEFAULT_CALIB_MIN_SEQLEN = 1024
-#: Room kept in each length bin for the answer and the decode steps beyond ``--decode_tokens`` (task prompts).
-TASK_PROMPT_MARGIN = 40
-
-
-def default_lengths(model_config: Mapping[str, Any]) -> list[int]:
-    """The length bins ``sparse-attn calibrate`` uses without ``--calib_max_seqlen`` / ``--calib_min_seqlen``
-    (descending): ``sparse-attn eval`` scores the same lengths by default, so that the two commands with their
-    defaults see the same prompt mix (sparsity at one threshold moves with prompt length, README)."""
-    from compat.launch import model_length_limit
-    from sparse_attn.calibration.synthetic import length_bins
-
-    limit = model_length_limit(model_config)
-    top = min(DEFAULT_CALIB_MAX_SEQLEN, limit[0]) if limit is not None else DEFAULT_CALIB_MAX_SEQLEN
-    return length_bins(top, min(DEFAULT_CALIB_MIN_SEQLEN, top))
 
 
 @dataclass(frozen=True)
@@ -299,8 +283,6 @@ def _load_user_samples(args, plan: _Plan) -> list[CalibrationSample] | None:
 
 def _calib_tasks(args) -> list[str]:
     """``--calib_tasks`` as a list (every eval kind when not given); refused unless ``--calib_set tasks``."""
-    from sparse_attn.evaluation.tasks import EVAL_TASKS
-
     raw = getattr(args, "calib_tasks", None)
     if raw is None:
         return list(EVAL_TASKS)
@@ -316,9 +298,6 @@ def _calib_tasks(args) -> list[str]:
 def _task_samples(args, plan: _Plan, tokenizer) -> list[CalibrationSample]:
     """``--calib_set tasks``: the eval's kinds of prompt (chat-wrapped when the tokenizer has a template),
     from calibration's own random stream, ``--calib_samples`` of them round-robin over kinds and length bins."""
-    from sparse_attn.calibration.synthetic import length_bins
-    from sparse_attn.evaluation.tasks import build_samples
-
     kinds = _calib_tasks(args)
     bins = length_bins(plan.calib_max_seqlen, min(args.calib_min_seqlen, plan.calib_max_seqlen))
     per_cell = -(-args.calib_samples // (len(kinds) * len(bins)))
@@ -386,7 +365,7 @@ def _fit_kinds(measurement, target: float) -> tuple[dict[str, dict[str, Any]], l
 
     Each kind gets its own curve because one pooled curve misses the target on both kinds
     (Gemma-3-270M, 50 % decode target: 65.5 % global / 35.3 % windowed held out, a curve per kind
-    51.9 % / 46.4 %; README "Gemma-3-270M"). Windowed counts were taken at ``c / min(kv_len, w)``."""
+    51.9 % / 46.4 %; docs/kernels.md). Windowed counts were taken at ``c / min(kv_len, w)``."""
     fits: dict[str, dict[str, Any]] = {}
     errors = []
     for kind in measurement.kinds:

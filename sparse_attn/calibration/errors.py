@@ -1,19 +1,11 @@
-"""The error types of ``sparse_attn.calibration`` (a leaf module: imports nothing).
+"""The error types of ``sparse_attn.calibration``.
 
-Every calibration error is a :class:`CalibrationError`, itself a ``ValueError``
-so callers that catch bad input keep working. Its message says what was seen,
-what was expected and how to fix it (a flag of ``sparse-attn calibrate`` that
-exists, or a change to the data).
+Both are defined in the leaf :mod:`sparse_attn.errors`, because :mod:`sparse_attn.workloads`
+(below calibration, which it may not import) raises :class:`CalibrationDataError` too.
 """
 
 from __future__ import annotations
 
+from sparse_attn.errors import CalibrationDataError, CalibrationError
+
 __all__ = ["CalibrationDataError", "CalibrationError"]
-
-
-class CalibrationError(ValueError):
-    """Calibration cannot produce a trustworthy result; the message says why and how to fix it."""
-
-
-class CalibrationDataError(CalibrationError):
-    """Calibration prompts are missing, malformed, empty or too long."""

@@ -147,7 +147,7 @@ def check_destinations(ckpt: Path, written: Mapping[str, Path], data_sources: It
     """Refuse (``CliError``) every destination in ``written`` (flag -> path) that calibrate
     must not replace (module docstring). ``data_sources`` are the user's calibration data
     paths (``--prompts_file``, ``--calib_data_dir``). Reads no destination."""
-    from sparse_attn.calibration.prompts import SAMPLES_FILE
+    from sparse_attn.workloads.prompts import SAMPLES_FILE
 
     protected: dict[Path, str] = {
         _real(ckpt / "config.json"): "the checkpoint's config.json (the model's configuration)",

@@ -14,12 +14,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from sparse_attn.calibration.prompts import CalibrationSample
-from sparse_attn.calibration.fit import FitPoint
-from sparse_attn.calibration.fit import CalibrationError, SampleCounts, pool
+from sparse_attn.calibration.fit import CalibrationError, FitPoint, SampleCounts, pool
 from sparse_attn.protocol import LAYER_KINDS, PHASES, calibration_env, merge_worker_counts
+from sparse_attn.workloads.prompts import CalibrationSample
 
-#: The plugin's log interval variable (registered in compat.envs); 0 turns the periodic lines off.
+#: The plugin's log interval variable (declared in sparse_attn.settings); 0 turns the periodic lines off.
 STATS_INTERVAL_ENV = "SPARSE_ATTN_STATS_INTERVAL_S"
 
 __all__ = ["PHASES", "Measurement", "ServedLayers", "candidate_scales", "counting_mode_env", "measure", "merge_worker_counts",
@@ -119,18 +118,20 @@ def measure(llm: Any, samples: Sequence[CalibrationSample], scales: Sequence[flo
     ``llm.collective_rpc(stats_rpc, kwargs={"reset": True})`` and summed over workers
     (:func:`merge_worker_counts`); a phase the sample produced no launch of (decode
     with ``decode_tokens=0``) gets no entry. ``sampling_params`` defaults to greedy
-    ``vllm.SamplingParams`` with ``decode_tokens + 1`` new tokens (the first comes
-    from the prefill, each further one is a decode step)."""
-    if sampling_params is None:
-        from vllm import SamplingParams
+    sampling (``compat.offline.sampling_params``) of ``decode_tokens + 1`` new tokens (the
+    first comes from the prefill, each further one is a decode step). Every sample has
+    token ids (``workloads.prompts.check_lengths`` gives them)."""
+    from compat import offline
 
-        sampling_params = SamplingParams(temperature=0.0, max_tokens=decode_tokens + 1, ignore_eos=True)
+    if sampling_params is None:
+        sampling_params = offline.sampling_params(max_tokens=decode_tokens + 1)
     result = Measurement(scales=list(scales))
     llm.collective_rpc(stats_rpc, kwargs={"reset": True})  # warm-up launches are not calibration data
-    for sample in samples:
-        prompt = {"prompt_token_ids": list(sample.prompt_token_ids)} if sample.prompt_token_ids else sample.prompt
-        outputs = llm.generate([prompt], sampling_params, use_tqdm=False)
-        kv_len = len(outputs[0].prompt_token_ids)
+    for i, sample in enumerate(samples):
+        if not sample.prompt_token_ids:
+            raise CalibrationError(f"sample {i} ({sample.source or sample.task}) has no token ids; measure() takes the "
+                                   f"samples check_lengths returned")
+        kv_len = len(offline.generate(llm, [sample.prompt_token_ids], sampling_params)[0].prompt_token_ids)
         snapshots = llm.collective_rpc(stats_rpc, kwargs={"reset": True})
         result.layers_installed = [s["layers_installed"] for s in snapshots]
         result.layers_total = [s["layers_total"] for s in snapshots]
@@ -173,14 +174,13 @@ class ServedLayers:
 def served_layers(snapshots: Sequence[dict]) -> ServedLayers:
     """The workers' install summaries (stats RPC snapshots) as :class:`ServedLayers`; raises
     :class:`CalibrationError` when no worker can serve any layer, naming each reason."""
+    if not snapshots or not any(int(s["layers_total"]) for s in snapshots):
+        raise CalibrationError("the workers found no attention layer to calibrate (the model has none vLLM reports)")
     native: dict[str, int] = {}
-    for snap in snapshots[:1]:  # every rank holds the same layers; count them once
-        for reason, n in (snap.get("install") or {}).get("native", {}).items():
-            native[reason] = native.get(reason, 0) + int(n)
+    for reason, n in (snapshots[0].get("install") or {}).get("native", {}).items():  # every rank holds the same layers
+        native[reason] = native.get(reason, 0) + int(n)
     served = ServedLayers(installed=tuple(int(s["layers_installed"]) for s in snapshots),
                           total=tuple(int(s["layers_total"]) for s in snapshots), native=native)
-    if not snapshots or not any(served.total):
-        raise CalibrationError("the workers found no attention layer to calibrate (the model has none vLLM reports)")
     if not all(served.installed):
         reasons = "; ".join(f"{n} layer(s): {r}" for r, n in native.items()) or "no reason reported"
         raise CalibrationError(

@@ -138,7 +138,7 @@ def _calibrate(args, ckpt: Path, report_path: Path, log_path: Path) -> dict:
         "--update_checkpoint_config",
     ]
     # SmolLM2's held-out prompts are the eval's kinds (natural-text needles, QA, ...), whose sparsity at one
-    # threshold differs from the synthetic generator's noise-heavy kinds by up to 25 points (README); the
+    # threshold differs from the synthetic generator's noise-heavy kinds by up to 25 points (docs/calibrate.md); the
     # tiny model's are the synthetic generator's at another seed.
     cmd += ["--calib_set", "synthetic" if args.model == "tiny" else "tasks"]
     _say("    " + " ".join(cmd[1:]))
@@ -163,8 +163,8 @@ def _calibrate(args, ckpt: Path, report_path: Path, log_path: Path) -> dict:
     return json.loads(report_path.read_text())
 
 
-#: Held-out tasks of the trained-model demo (sparse_attn.evaluation.tasks) and prompts per (task, length).
-DEMO_TASKS = ("niah_single", "niah_multikey", "variable_tracking", "common_words", "qa")
+#: Prompts per (task, length) of the trained-model demo's held-out tasks (every kind of
+#: ``sparse_attn.workloads.tasks.EVAL_TASKS``).
 DEMO_PER_CELL = 1
 
 
@@ -172,12 +172,12 @@ def _eval_samples(ckpt: Path, args) -> list:
     """Held-out eval tasks with known answers at the two calibrated lengths (bin top and half)."""
     from transformers import AutoTokenizer
 
-    from sparse_attn.calibration.cli import TASK_PROMPT_MARGIN
-    from sparse_attn.evaluation.tasks import build_samples
+    from sparse_attn.workloads.lengths import TASK_PROMPT_MARGIN
+    from sparse_attn.workloads.tasks import EVAL_TASKS, build_samples
 
     tok = AutoTokenizer.from_pretrained(str(ckpt))
     lengths = sorted({max(512, args.calib_max_seqlen // 2), args.calib_max_seqlen})
-    return build_samples(tok, tasks=DEMO_TASKS, lengths=lengths, per_cell=DEMO_PER_CELL, seed=args.seed,
+    return build_samples(tok, tasks=EVAL_TASKS, lengths=lengths, per_cell=DEMO_PER_CELL, seed=args.seed,
                          reserve=args.decode_tokens + TASK_PROMPT_MARGIN)
 
 
@@ -190,10 +190,10 @@ def _eval_prompts(ckpt: Path, args) -> list[list[int]]:
     for calibration and held-out prompts at equal kv_len). Prompts sized for 32 decode tokens
     while calibration reserved 16 are ~16 tokens shorter, so their decode steps fall in another
     part of that swing (the generator's length stagger, not this alone, covers the rest: see
-    :mod:`sparse_attn.calibration.synthetic`)."""
+    :mod:`sparse_attn.workloads.synthetic`)."""
     from tokenizers import Tokenizer
 
-    from sparse_attn.calibration.synthetic import generate_calibration_samples
+    from sparse_attn.workloads.synthetic import generate_calibration_samples
 
     tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
 
@@ -209,11 +209,11 @@ def _eval_prompts(ckpt: Path, args) -> list[list[int]]:
 
 
 def _serve_and_generate(ckpt: Path, prompts: list[list[int]], log_path: Path, args, *, dense: bool) -> dict:
-    from compat import launch
+    from compat import envs, launch
     from compat.errors import CompatError
     from sparse_attn.demo.server import ServeProcess, phase_totals
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSE_ATTN_")}
+    env = envs.without_ours()
     if dense:
         env["SPARSE_ATTN_DISABLE"] = "1"
     env.setdefault("SPARSE_ATTN_STATS_INTERVAL_S", "0")
@@ -349,9 +349,9 @@ def demo(args) -> int:
     if args.calib_max_seqlen < 256 or args.calib_max_seqlen > 8192:
         raise CliError(f"--calib_max_seqlen {args.calib_max_seqlen}: the demo supports 256..8192 tokens")
     if trained:
-        from sparse_attn.models import _require_converters
+        from sparse_attn.models import require_converters
 
-        _require_converters()  # before minutes of work: the models extra must be installed
+        require_converters()  # before minutes of work: the models extra must be installed
     try:
         import vllm  # noqa: F401  (fail early, before minutes of work)
     except ImportError as exc:

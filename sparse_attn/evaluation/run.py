@@ -1,6 +1,6 @@
 """``sparse-attn eval CKPT``: the accuracy cost of skip-softmax through vLLM's own serving path.
 
-Builds held-out tasks (:mod:`sparse_attn.evaluation.tasks`), runs them once on native vLLM
+Builds held-out tasks (:mod:`sparse_attn.workloads.tasks`), runs them once on native vLLM
 (``SPARSE_ATTN_DISABLE=1``) and once per target with the plugin serving the checkpoint's curve at
 that target (the section is handed to vLLM as an HF-config override; the checkpoint is not
 touched), each configuration in a fresh engine process (:mod:`sparse_attn.evaluation.engine`), and
@@ -20,12 +20,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sparse_attn.calibration.cli import TASK_PROMPT_MARGIN, default_lengths
+from compat import envs
 from sparse_attn.errors import CliError
 from sparse_attn.evaluation import metrics
 from sparse_attn.evaluation.engine import PROGRESS_PREFIX
-from sparse_attn.evaluation.tasks import EVAL_TASKS, build_samples
 from sparse_attn.protocol import PHASES
+from sparse_attn.workloads.lengths import TASK_PROMPT_MARGIN, default_lengths
+from sparse_attn.workloads.tasks import EVAL_TASKS, build_samples
 
 ENGINE_TIMEOUT_S = 3600
 
@@ -41,13 +42,13 @@ def _parse_list(raw: str, kind, flag: str) -> list:
 
 
 def _checkpoint_config(ckpt: Path) -> tuple[dict, Any]:
-    from sparse_attn.config import SparseAttentionConfigError, read_config_json, read_section
+    from sparse_attn.config import SECTION_KEY, SparseAttentionConfigError, read_config_json, read_section
 
     if not (ckpt / "config.json").is_file():
         raise CliError(f"{ckpt} has no config.json; pass a Hugging Face checkpoint directory")
     try:
         data = read_config_json(ckpt)
-        reading = read_section(data.get("sparse_attention_config"), source=str(ckpt / "config.json"))
+        reading = read_section(data.get(SECTION_KEY), source=str(ckpt / "config.json"))
     except SparseAttentionConfigError as exc:
         raise CliError(str(exc)) from None
     if reading.config is None:
@@ -120,7 +121,7 @@ def _finished(job: dict, job_path: Path, out_path: Path) -> dict | None:
 
 
 def _engine_env(sparse: bool) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSE_ATTN_")}
+    env = envs.without_ours()
     env["SPARSE_ATTN_STATS_INTERVAL_S"] = "0"
     if not sparse:
         env["SPARSE_ATTN_DISABLE"] = "1"
@@ -141,7 +142,7 @@ def evaluate(args) -> int:
     tasks = _parse_list(args.tasks, str, "--tasks") if args.tasks else list(EVAL_TASKS)
     if unknown := [t for t in tasks if t not in EVAL_TASKS]:
         raise CliError(f"--tasks: unknown {unknown}; choose from {', '.join(EVAL_TASKS)}")
-    # Without --lengths: the bins calibrate uses without --calib_max_seqlen (one home: calibration.cli), so the
+    # Without --lengths: the bins calibrate uses without --calib_max_seqlen (one home: workloads.lengths), so the
     # two commands with their defaults see one prompt mix.
     lengths = (_parse_list(args.lengths, int, "--lengths") if args.lengths
                else sorted(default_lengths(model_cfg.get("text_config") or model_cfg)))

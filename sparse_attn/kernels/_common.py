@@ -33,8 +33,8 @@ rule "the first tile a program visits is never skipped").  With a window it is t
 position): tile 0 leaves the window on long sequences, and the window's first tile holds
 the oldest tokens a row sees, which a local layer attends to least, so a running max that
 starts there is below the recent tokens' scores and almost no tile tests small.  Measured
-on Gemma-3-270M's 512-token-window layers (``benchmarks/window_lambda_heldout.py``, README
-"Gemma" paragraph): with the window-start anchor they reached 12-19 % prefill sparsity at
+on Gemma-3-270M's 512-token-window layers (``benchmarks/window_lambda_heldout.py``,
+docs/kernels.md): with the window-start anchor they reached 12-19 % prefill sparsity at
 any lambda < 1; with the diagonal anchor seeding every earlier tile, 48 / 51 / 51 % at
 1k / 2k / 4k tokens on a curve of their own.  Layers without a window keep tile 0
 (existing calibrations of such models stay valid).

@@ -115,9 +115,9 @@ def isa_flags(isa: str, profile: bool = False) -> tuple[str, ...]:
 
 
 def cache_dir() -> Path:
-    from compat import envs
+    from sparse_attn import settings
 
-    configured = envs.get("SPARSE_ATTN_CPU_KERNEL_CACHE")
+    configured = settings.get("SPARSE_ATTN_CPU_KERNEL_CACHE")
     if configured:
         return Path(configured).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

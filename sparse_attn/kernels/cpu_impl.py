@@ -70,6 +70,13 @@ def reset_for_tests() -> None:
         _state.clear()
 
 
+def use_library(lib) -> None:
+    """Serve this process with ``lib`` from now on (a library :func:`cpu_build.load` returned, e.g. its
+    timed ``profile=True`` variant for ``benchmarks/profile_cpu_kernel.py``)."""
+    status()
+    _state["lib"] = lib
+
+
 def supports(batch: PagedBatch) -> bool:
     """Shapes the compiled kernel takes: head sizes that are a multiple of 8 (every head size
     vLLM's CPU attention accepts is), float32 / bfloat16 / float16 queries with a cache of
@@ -92,9 +99,9 @@ def cpu_kernel(batch: PagedBatch | None = None) -> str:
     per process when the build is what failed.  Without a batch: the answer for shapes the
     compiled kernel takes.
     """
-    from compat import envs
+    from sparse_attn import settings
 
-    choice = envs.get("SPARSE_ATTN_CPU_KERNEL")
+    choice = settings.get("SPARSE_ATTN_CPU_KERNEL")
     if choice == "torch":
         return "torch"
     if choice == "compiled":
@@ -131,9 +138,9 @@ def describe() -> str:
     """Which kernel serves CPU tensors in this process and why, for the plugin's install line
     (builds or loads the compiled kernel, once; raises like :func:`cpu_kernel` when
     ``SPARSE_ATTN_CPU_KERNEL=compiled`` cannot be honoured)."""
-    from compat import envs
+    from sparse_attn import settings
 
-    choice = envs.get("SPARSE_ATTN_CPU_KERNEL")
+    choice = settings.get("SPARSE_ATTN_CPU_KERNEL")
     if cpu_kernel() == "torch":
         return "torch (SPARSE_ATTN_CPU_KERNEL=torch)" if choice == "torch" else status().describe()
     return status().describe() + (" (SPARSE_ATTN_CPU_KERNEL=compiled)" if choice == "compiled" else "")

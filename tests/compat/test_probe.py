@@ -157,7 +157,7 @@ def test_version_sources(install_stub, dist, version, expected):
 
 
 def test_env_overrides_win_and_are_recorded(install_stub, monkeypatch):
-    for name in envs.REGISTRY:  # tox sets SPARSE_ATTN_CPU_KERNEL_CACHE for every env
+    for name in envs.variables():  # tox sets SPARSE_ATTN_CPU_KERNEL_CACHE for every env
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("SPARSE_ATTN_KV_LAYOUT", "FLASHINFER=blocks-first")
     monkeypatch.setenv("SPARSE_ATTN_CACHE_WRITER", "adapter")
@@ -232,3 +232,44 @@ def test_release_table_agrees_with_the_recorded_rows(key):
         table, row = _table_layout(backend, version)
         assert row is not None, f"RELEASE_TABLE has no row for {version}"
         assert (table.value if table else None) == layout, f"{backend} {version}: table {row} says {table}, the release said {layout}"
+
+
+# --------------------------------------------------------------------------- where the CPU ops live
+CPU_OP_WRAPPERS = "def cpu_attn_reshape_and_cache(*a):\n    return 'reshape'\n\ndef cpu_attention_with_kv_cache(*a):\n    return 'attn'\n"
+
+
+@pytest.mark.parametrize("modules, expected", [
+    ({"_custom_ops": CPU_OP_WRAPPERS}, "vllm._custom_ops"),                                 # up to 0.33
+    ({"_custom_ops": "def other(): pass\n", "_cpu_ops": CPU_OP_WRAPPERS}, "vllm._cpu_ops"),  # 0.34's move
+    ({"_custom_ops": CPU_OP_WRAPPERS, "_cpu_ops": CPU_OP_WRAPPERS}, "vllm._cpu_ops"),         # both: the newer home
+    ({"_custom_ops": "def cpu_attn_reshape_and_cache(): pass\n"}, None),                    # half a set is none
+    ({"_cpu_ops": "raise ImportError('no _C')\n", "_custom_ops": CPU_OP_WRAPPERS}, "vllm._custom_ops"),
+], ids=["old-place", "new-place", "both", "incomplete", "new-module-broken"])
+def test_cpu_ops_are_found_by_import_and_hasattr(install_stub, tmp_path, modules, expected):
+    install_stub(version="0.34.0", view_construction=True)
+    for name, text in modules.items():
+        (tmp_path / "vllm" / f"{name}.py").write_text(text)
+    decision = compat.cpu_ops_decision()
+    assert (decision.module, decision.source) == (expected, "probe"), decision.detail
+    if expected is None:
+        with pytest.raises(compat.OpsNotFoundError, match="CPU attention ops are not found"):
+            compat.cpu_ops()
+    else:
+        assert compat.cpu_ops().cpu_attention_with_kv_cache() == "attn"
+
+
+def test_cpu_ops_override_is_checked_and_recorded(install_stub, tmp_path, monkeypatch):
+    install_stub(version="0.34.0", view_construction=True)
+    (tmp_path / "vllm" / "_custom_ops.py").write_text(CPU_OP_WRAPPERS)
+    (tmp_path / "vllm" / "_cpu_ops.py").write_text(CPU_OP_WRAPPERS)
+    monkeypatch.setenv("SPARSE_ATTN_CPU_OPS_MODULE", "vllm._custom_ops")
+    compat.reset_for_tests()
+    assert (compat.cpu_ops_decision().module, compat.cpu_ops_decision().source) == ("vllm._custom_ops", "env")
+    monkeypatch.setenv("SPARSE_ATTN_CPU_OPS_MODULE", "json")
+    compat.reset_for_tests()
+    with pytest.raises(compat.InvalidOverrideError, match="does not hold vLLM's CPU attention ops"):
+        compat.cpu_ops_decision()
+    monkeypatch.setenv("SPARSE_ATTN_CPU_OPS_MODULE", "not a module")
+    compat.reset_for_tests()
+    with pytest.raises(compat.InvalidOverrideError, match="is not a module name"):
+        compat.cpu_ops_decision()

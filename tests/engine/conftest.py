@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from compat import envs
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 
@@ -24,24 +26,28 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     return Path(build_tiny_llama(tmp_path_factory.mktemp("tiny") / "ckpt", seed=0))
 
 
+def copy_with_section(source: Path, ckpt: Path, section: dict | None) -> Path:
+    """Copy checkpoint ``source`` to ``ckpt``, its config.json carrying ``section`` (or none)."""
+    shutil.copytree(source, ckpt)
+    if section is not None:
+        config = json.loads((ckpt / "config.json").read_text())
+        config["sparse_attention_config"] = section
+        (ckpt / "config.json").write_text(json.dumps(config, indent=2))
+    return ckpt
+
+
 @pytest.fixture
 def checkpoint_with(tiny_checkpoint, tmp_path):
     """A copy of the tiny checkpoint whose config.json carries ``section`` (or none)."""
 
     def make(section: dict | None, name: str = "ckpt") -> Path:
-        ckpt = tmp_path / name
-        shutil.copytree(tiny_checkpoint, ckpt)
-        if section is not None:
-            config = json.loads((ckpt / "config.json").read_text())
-            config["sparse_attention_config"] = section
-            (ckpt / "config.json").write_text(json.dumps(config, indent=2))
-        return ckpt
+        return copy_with_section(tiny_checkpoint, tmp_path / name, section)
 
     return make
 
 
 def engine_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSE_ATTN_")}
+    env = envs.without_ours()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     env.update(extra)
     return env

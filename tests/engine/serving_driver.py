@@ -1,7 +1,7 @@
 """Start a real vLLM engine on a checkpoint, generate greedily, report as JSON.
 
     python tests/engine/serving_driver.py CKPT OUT.json [--max-tokens 24] [--then-native]
-        [--pipeline-parallel-size N] [--tensor-parallel-size N]
+        [--pipeline-parallel-size N] [--tensor-parallel-size N] [--distributed-executor-backend mp|ray]
 
 A script (not a test) because vLLM's engine processes need the ``__main__``
 guard. The sparse-attn plugin is loaded by vLLM itself through its
@@ -44,6 +44,7 @@ def main() -> int:
     ap.add_argument("--then-native", action="store_true")
     ap.add_argument("--pipeline-parallel-size", type=int, default=1)
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--distributed-executor-backend", default="mp", choices=("mp", "ray"))
     args = ap.parse_args()
 
     started = time.monotonic()
@@ -57,7 +58,7 @@ def main() -> int:
         kwargs["worker_extension_cls"] = "tests.engine.native_switch.NativeSwitch"
     if args.pipeline_parallel_size > 1 or args.tensor_parallel_size > 1:
         kwargs.update(pipeline_parallel_size=args.pipeline_parallel_size, tensor_parallel_size=args.tensor_parallel_size,
-                      distributed_executor_backend="mp")
+                      distributed_executor_backend=args.distributed_executor_backend)
     llm = LLM(model=args.model, dtype="float32", max_model_len=2048, enforce_eager=True,
               kv_cache_memory_bytes=64 << 20, enable_prefix_caching=False, seed=0, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=1)

@@ -39,7 +39,7 @@ TOLERANCE = 0.05
 
 
 def held_out_prompts(ckpt) -> list[list[int]]:
-    from sparse_attn.calibration.synthetic import generate_calibration_samples
+    from sparse_attn.workloads.synthetic import generate_calibration_samples
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))

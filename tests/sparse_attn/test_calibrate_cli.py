@@ -368,7 +368,7 @@ def test_calib_tasks_is_checked_before_anything_starts(ckpt, tmp_path, capsys, a
 
 def test_calibrate_defaults_are_the_evals_prompt_mix():
     """calibrate's default set is the eval's kinds, and eval's default lengths are calibrate's default bins."""
-    from sparse_attn.calibration.cli import DEFAULT_CALIB_MIN_SEQLEN, default_lengths
+    from sparse_attn.workloads.lengths import DEFAULT_CALIB_MIN_SEQLEN, default_lengths
     from sparse_attn.cli import build_parser
 
     args = build_parser().parse_args(["calibrate", "ckpt"])

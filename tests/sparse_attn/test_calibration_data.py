@@ -1,4 +1,4 @@
-"""sparse_attn.calibration.synthetic (RULER-style prompts) and .prompts (the prompt-file
+"""sparse_attn.workloads.synthetic (RULER-style prompts) and .prompts (the prompt-file
 format, its loader and the one length check)."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import pytest
 
 from sparse_attn.calibration import CalibrationError
 from sparse_attn.calibration.errors import CalibrationDataError
-from sparse_attn.calibration.prompts import SAMPLES_FILE, CalibrationSample, check_lengths, load_prompts
-from sparse_attn.calibration.synthetic import TASKS, generate_calibration_samples, length_bins
+from sparse_attn.workloads.lengths import length_bins
+from sparse_attn.workloads.prompts import SAMPLES_FILE, CalibrationSample, check_lengths, load_prompts
+from sparse_attn.workloads.synthetic import TASKS, generate_calibration_samples
 
 
 class WhitespaceTokenizer:

@@ -11,9 +11,9 @@ import pytest
 
 from sparse_attn.calibration.errors import CalibrationError
 from sparse_attn.calibration.runner import counting_mode_env, served_layers
-from sparse_attn.calibration.synthetic import generate_calibration_samples
 from sparse_attn.evaluation import metrics
-from sparse_attn.evaluation.tasks import EVAL_TASKS, build_samples, encode_prompt
+from sparse_attn.workloads.synthetic import generate_calibration_samples
+from sparse_attn.workloads.tasks import EVAL_TASKS, build_samples, encode_prompt
 
 
 class WordTokenizer:
@@ -142,7 +142,7 @@ def test_counting_mode_turns_the_periodic_log_off():
 
 def test_chat_wrapped_calibration_prompts_fit_their_bins():
     """--chat_template: synthetic calibration prompts sized with the template included, one BOS-like marker."""
-    from sparse_attn.calibration.prompts import ChatTemplatePrompts, check_lengths
+    from sparse_attn.workloads.prompts import ChatTemplatePrompts, check_lengths
 
     wrapped = ChatTemplatePrompts(ChatTokenizer())
     samples = generate_calibration_samples(wrapped, num_samples=4, max_seqlen=1024, min_seqlen=512, num_decode_tokens=16, seed=0)

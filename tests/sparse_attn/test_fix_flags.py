@@ -86,8 +86,8 @@ def _tiny_model_flags() -> set[str]:
 def test_the_extractor_finds_flags_in_messages():
     """Guards the test itself: known mentions in messages and f-strings are found."""
     found = mentioned_flags()
-    assert any(w.startswith("sparse_attn/calibration/prompts.py") for w in found["--max_model_len"])
-    assert any(w.startswith("sparse_attn/calibration/synthetic.py") for w in found["--calib_min_seqlen"])
+    assert any(w.startswith("sparse_attn/workloads/prompts.py") for w in found["--max_model_len"])
+    assert any(w.startswith("sparse_attn/workloads/synthetic.py") for w in found["--calib_min_seqlen"])
     assert "--engine_kwargs" in found and "--calib_max_seqlen" in found
 
 

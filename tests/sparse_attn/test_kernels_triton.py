@@ -53,6 +53,8 @@ def test_triton_matches_torch(case):
     (o_t, s_t, v_t), (o_c, s_c, v_c) = _both(batch, scale=scale, threshold=0.5, return_counts=True)
     torch.testing.assert_close(o_t, o_c, atol=1e-5, rtol=1e-5)
     assert s_t.tolist() == s_c.tolist() == sk_c[2].tolist() and v_t.tolist() == v_c.tolist()
+    # the comparison covers skipping: at lambda 0.5 tiles were skipped, at 0 none
+    assert int(s_t.sum()) > 0 and int(sk_t[0].sum()) == 0, (s_t.tolist(), sk_t.tolist())
 
 
 def test_triton_non_causal_and_bf16():

@@ -121,15 +121,15 @@ def test_per_sequence_lambda_in_split_decode():
 
 
 def test_tile_table_covers_the_head_sizes_it_claims():
-    """Head sizes up to 256 pick the row of their padded size (compiled for sm_90 in
-    test_kernels_compile.py); larger ones are refused before any launch.  Nothing
-    autotunes: a CUDA graph captures one launch."""
+    """Every head size up to 256, in every dtype and phase, has a tile configuration (the rows
+    are compiled for sm_90 in test_kernels_compile.py); larger ones are refused before any launch.
+    Nothing autotunes: a CUDA graph captures one launch."""
     from sparse_attn.kernels import triton_impl, triton_kernels
 
-    for d, block_d in ((24, 64), (64, 64), (80, 128), (128, 128), (192, 256), (256, 256)):
-        for phase in ("decode", "prefill"):
-            assert triton_impl.tile_config(d, torch.bfloat16, phase) == triton_impl.TILE_CONFIGS[(block_d, torch.bfloat16,
-                                                                                                  phase)]
+    for d in range(1, 257):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for phase in ("decode", "prefill"):
+                assert isinstance(triton_impl.tile_config(d, dtype, phase), triton_impl.TileConfig), (d, dtype, phase)
     with pytest.raises(ValueError, match="head size"):
         triton_impl.tile_config(512, torch.bfloat16, "prefill")
     assert not hasattr(triton_kernels.paged_attn_kernel, "configs")

@@ -48,8 +48,8 @@ def test_calibration_env_round_trips_through_the_registry(monkeypatch):
     from compat import envs
 
     env = protocol.calibration_env([0.01, 2, 40.5])
-    assert list(env) == [protocol.CALIBRATION_ENV] and protocol.CALIBRATION_ENV in envs.REGISTRY
-    assert envs.REGISTRY[protocol.CALIBRATION_ENV].internal
+    assert list(env) == [protocol.CALIBRATION_ENV] and protocol.CALIBRATION_ENV in envs.variables()
+    assert envs.variables()[protocol.CALIBRATION_ENV].internal
     monkeypatch.setenv(protocol.CALIBRATION_ENV, env[protocol.CALIBRATION_ENV])
     envs.reset_for_tests()
     try:

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sparse_attn.calibration.prompts import CalibrationSample
+from sparse_attn.workloads.prompts import CalibrationSample
 from sparse_attn.calibration.fit import CalibrationError, SampleCounts, pool
 from sparse_attn.calibration.runner import PHASES, Measurement, candidate_scales, measure, merge_worker_counts
 from sparse_attn.stats import WorkerStats
@@ -95,7 +95,9 @@ class FakeLLM:
                         skipped = [self.heads[w] * self.skipped_per_head(phase, kv_len, c, tiles, kind) if ok else 0
                                    for c, ok in zip(self.scales, usable)]
                         stats.add_candidates(phase, skipped, [self.heads[w] * tiles if ok else 0 for ok in usable], kind=kind)
-        return [SimpleNamespace(prompt_token_ids=list(ids))]
+        # the fields compat.offline.generate reads of a vllm RequestOutput
+        return [SimpleNamespace(prompt_token_ids=list(ids), prompt_logprobs=None,
+                                outputs=[SimpleNamespace(token_ids=[], text="", logprobs=None)])]
 
     def collective_rpc(self, method, kwargs=None):
         self.rpc_calls.append((method, dict(kwargs or {})))
@@ -131,7 +133,14 @@ class _Progress:
 def _samples():
     return [CalibrationSample(prompt_token_ids=tuple(range(300)), task="qa", target_len=512, num_tokens=300),
             CalibrationSample(prompt_token_ids=tuple(range(5)), task="qa", target_len=8, num_tokens=5),  # shorter than most scales
-            CalibrationSample(prompt="a b c d e f g h " * 10, task="niah", target_len=128)]
+            CalibrationSample(prompt_token_ids=tuple(range(80)), task="niah", target_len=128, num_tokens=80)]
+
+
+def test_measure_refuses_a_sample_without_token_ids():
+    """calibrate measures check_lengths' token-id samples (compat.offline.generate takes token ids)."""
+    with pytest.raises(CalibrationError, match="sample 0 \\(niah\\) has no token ids"):
+        measure(FakeLLM(SCALES), [CalibrationSample(prompt="a b c", task="niah")], SCALES, decode_tokens=1, stats_rpc=RPC,
+                sampling_params=SimpleNamespace(max_tokens=2))
 
 
 def test_measure_sums_workers_per_sample_and_phase():

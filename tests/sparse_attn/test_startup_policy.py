@@ -93,10 +93,10 @@ def test_serve_and_the_worker_decide_alike(tmp_path, capsys, caplog, monkeypatch
 
     caplog.set_level(logging.INFO, logger="sparse_attn")
     try:
-        config = plugin._load_config(_worker(hf, str(ckpt)))
+        config, summary_warnings = plugin._load_config(_worker(hf, str(ckpt)))
         worker = "sparse" if config is not None else "native"
     except plugin.SparseAttentionStartupError as exc:
-        worker, config = "error", None
+        worker, config, summary_warnings = "error", None, ()
         # the same refusal, word for word after each command's prefix (sources normalised)
         refused = [line.removeprefix("sparse-attn serve: error: ") for line in served.splitlines() if "error: " in line]
         assert normalise([str(exc).removeprefix("sparse-attn: ")]) == normalise(refused)
@@ -108,5 +108,7 @@ def test_serve_and_the_worker_decide_alike(tmp_path, capsys, caplog, monkeypatch
     if decision != "error":
         # the source each side names differs (a file, vLLM's HF config); the sentences do not
         assert normalise(worker_warnings) == normalise(serve_warnings)
+        # what the install summary (the stats RPC) carries is what was logged
+        assert normalise(sorted(summary_warnings)) == normalise(worker_warnings)
     if decision == "sparse":
         assert "validated" in served and config is not None

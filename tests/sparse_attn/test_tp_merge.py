@@ -127,24 +127,23 @@ def test_merge_worker_counts_of_shard_snapshots_equals_the_whole(whole, split):
         assert not any(merged["windowed"][phase][1])  # no windowed layer: its counts stay zero
 
 
-def test_merge_before_ratio_differs_from_mean_of_rank_ratios(whole):
+def test_uneven_merge_gives_the_all_heads_ratio_not_a_mean_of_rank_ratios(whole):
     # Uneven split: rank 0 serves 3 KV heads, rank 1 one, so rank 0 visits 3x the tiles.
     snapshots = [snapshot_for_heads(shard) for shard in SPLITS["uneven"]]
     merged = merge_worker_counts(snapshots, len(CANDIDATES))
-    differs = []
+    discriminating = []
     for phase in PHASES:
         v0, v1 = (s["candidate_visited"]["global"][phase][0] for s in snapshots)
         assert v0 == 3 * v1 > 0
         skipped, visited = merged["global"][phase]
         truth = whole[phase]
         for j in range(len(CANDIDATES)):
-            merged_ratio = Fraction(skipped[j], visited[j])
-            assert merged_ratio == Fraction(truth[0][j], truth[1][j])  # the all-heads sparsity, exactly
+            # the all-heads sparsity (counted over every head at once), exactly
+            assert Fraction(skipped[j], visited[j]) == Fraction(truth[0][j], truth[1][j]), (phase, CANDIDATES[j])
             rank_ratios = [Fraction(s["candidate_skipped"]["global"][phase][j], s["candidate_visited"]["global"][phase][j])
                            for s in snapshots]
-            mean_ratio = sum(rank_ratios) / 2
             if rank_ratios[0] != rank_ratios[1]:
-                # The plain mean of rank ratios is not it (it weighs rank 1's few tiles as much as rank 0's).
-                assert mean_ratio != merged_ratio
-                differs.append((phase, CANDIDATES[j], float(merged_ratio), float(mean_ratio)))
-    assert len(differs) >= 4, differs
+                discriminating.append((phase, CANDIDATES[j]))
+    # The check above discriminates: where the ranks' ratios differ, a merge that averaged them (weighing
+    # rank 1's few tiles as much as rank 0's) would miss the all-heads ratio. Enough such candidates exist.
+    assert len(discriminating) >= 4, discriminating

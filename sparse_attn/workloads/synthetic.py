@@ -22,7 +22,7 @@ Tasks (modelled on the RULER benchmark categories; our own templates):
 
 Length bins
 -----------
-``length_bins(max_seqlen, min_seqlen)`` gives ``max_seqlen, max_seqlen/2, ...``
+``length_bins(max_seqlen, min_seqlen)`` (:mod:`.lengths`) gives ``max_seqlen, max_seqlen/2, ...``
 down to (and including) the first value ``>= min_seqlen``, optionally capped to
 ``num_length_bins`` bins. ``num_samples`` samples are spread round-robin: sample
 ``i`` goes to bin ``i % n_bins`` and task ``(i // n_bins) % n_tasks``, so every
@@ -43,89 +43,27 @@ decode budget), sees another sparsity. ``length_spread=0`` packs every prompt
 against the top. The output is a pure function of (seed, tokenizer, parameters),
 and sample ``i`` does not depend on ``num_samples``.
 
-Errors are :class:`~sparse_attn.calibration.errors.CalibrationDataError`;
+Errors are :class:`~sparse_attn.errors.CalibrationDataError`;
 their fixes name ``sparse-attn calibrate`` flags (``--calib_max_seqlen``,
 ``--calib_min_seqlen``, ``--decode_tokens``). The prompt-file format is in
-:mod:`sparse_attn.calibration.prompts`.
+:mod:`sparse_attn.workloads.prompts`; the primitives (essays, needles, noise) in
+:mod:`sparse_attn.workloads.text`.
 """
 
 from __future__ import annotations
 
 import random
-import string
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable
 
-from .errors import CalibrationDataError
+from sparse_attn.errors import CalibrationDataError
+
+from . import text
+from .lengths import largest_fitting, length_bins
 from .prompts import CalibrationSample, Tokenizer
 
-__all__ = ["DEFAULT_LENGTH_SPREAD", "TASKS", "generate_calibration_samples", "length_bins"]
+__all__ = ["DEFAULT_LENGTH_SPREAD", "TASKS", "generate_calibration_samples", "qa_task"]
 
 TASKS = ("niah_multikey", "variable_tracking", "frequent_words", "qa")
-
-
-# --------------------------------------------------------------------------- #
-# word lists
-# --------------------------------------------------------------------------- #
-_NOUNS = (
-    "river mountain garden window city harbor library market bridge forest engine island village "
-    "lantern orchard canal meadow tower valley school museum theater station kitchen workshop field "
-    "castle desert ocean harvest journey letter story painting song machine signal compass ledger "
-    "archive season morning evening winter summer autumn spring storm harbor coastline plateau "
-    "factory railway printer notebook teacher farmer sailor merchant doctor painter builder writer"
-).split()
-_VERBS = (
-    "builds carries finds keeps opens remembers describes follows changes measures gathers reveals "
-    "shapes crosses watches answers teaches explores repairs records collects discovers imagines "
-    "questions protects delivers organizes studies considers"
-).split()
-_ADJECTIVES = (
-    "quiet bright ancient narrow careful distant gentle heavy hidden modern patient rapid silent "
-    "simple steady strange sudden warm wide curious golden humble early late open"
-).split()
-_ADVERBS = "slowly often rarely quickly carefully always gradually patiently suddenly quietly".split()
-_CONNECTORS = (
-    "Meanwhile, However, In practice, Over time, For example, As a result, Later, In the end, "
-    "At first, Still, Even so, Because of this,"
-).split(", ")
-_PLACES = (
-    "Northbridge Alderport Casterfield Dunmore Elmstead Fairhaven Glenrock Hollowmere Ironvale "
-    "Juniper Bay Kestrel Point Larkspur Millbrook Norwick Oakhurst Pinecrest Queensford Ravenhill "
-    "Stonegate Thornbury"
-).split()
-_FIRST = "Ada Boris Clara Dmitri Elena Felix Greta Hugo Irene Jonas Kira Leon Mira Nils Olga Pavel Rosa Sven Tara Viktor".split()
-_LAST = "Abbott Brandt Castell Dorn Ellery Falk Grimm Hale Ivers Jansen Keller Lund Moreau Novak Ortega Price Quist Rowe Sato Varga".split()
-_INDUSTRIES = "shipping textiles glassworks printing clockmaking brewing ceramics bookbinding shipbuilding tea trading".split()
-_NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-
-
-def _sentence(rng: random.Random) -> str:
-    n1, n2 = rng.choice(_NOUNS), rng.choice(_NOUNS)
-    form = rng.randrange(4)
-    if form == 0:
-        s = f"The {rng.choice(_ADJECTIVES)} {n1} {rng.choice(_VERBS)} the {n2}."
-    elif form == 1:
-        s = f"{rng.choice(_CONNECTORS)} every {n1} {rng.choice(_ADVERBS)} {rng.choice(_VERBS)} a {rng.choice(_ADJECTIVES)} {n2}."
-    elif form == 2:
-        s = f"A {n1} near the {rng.choice(_ADJECTIVES)} {n2} {rng.choice(_VERBS)} what the {rng.choice(_NOUNS)} {rng.choice(_VERBS)}."
-    else:
-        s = f"No one {rng.choice(_VERBS).rstrip('s')}s the {n1} as {rng.choice(_ADVERBS)} as the {rng.choice(_ADJECTIVES)} {n2}."
-    return s
-
-
-def _essay(rng: random.Random, n: int) -> list[str]:
-    return [_sentence(rng) for _ in range(n)]
-
-
-def _insert(units: list[str], items: Sequence[str], depths: Sequence[float]) -> list[str]:
-    """Insert ``items`` at fractional depths of ``units`` (stable, deterministic)."""
-    out = list(units)
-    for item, depth in sorted(zip(items, depths), key=lambda t: t[1], reverse=True):
-        out.insert(int(round(depth * len(units))), item)
-    return out
-
-
-def _code_word(rng: random.Random, length: int = 6) -> str:
-    return "".join(rng.choice(string.ascii_lowercase) for _ in range(length))
 
 
 # --------------------------------------------------------------------------- #
@@ -133,19 +71,13 @@ def _code_word(rng: random.Random, length: int = 6) -> str:
 # --------------------------------------------------------------------------- #
 def _task_niah_multikey(rng: random.Random, hay_seed: str) -> Callable[[int], tuple[str, tuple[str, ...]]]:
     num_needles = 4
-    keys = []
-    while len(keys) < num_needles:
-        k = f"{rng.choice(_ADJECTIVES)}-{rng.choice(_NOUNS)}"
-        if k not in keys:
-            keys.append(k)
-    values = [str(rng.randrange(1_000_000, 10_000_000)) for _ in keys]
+    keys, values = text.needles(rng, num_needles)
     depths = [rng.random() for _ in keys]
     asked = rng.randrange(num_needles)
 
     def build(n: int) -> tuple[str, tuple[str, ...]]:
-        hay = _essay(random.Random(hay_seed), n)
-        needles = [f"One of the special magic numbers for {k} is: {v}." for k, v in zip(keys, values)]
-        body = " ".join(_insert(hay, needles, depths))
+        hay = text.essay(random.Random(hay_seed), n)
+        body = " ".join(text.insert(hay, text.needle_sentences(keys, values), depths))
         prompt = (
             "Some special magic numbers are hidden in the text below. Memorize them; "
             "you will be asked about one of them afterwards.\n\n"
@@ -160,18 +92,11 @@ def _task_niah_multikey(rng: random.Random, hay_seed: str) -> Callable[[int], tu
 
 def _task_variable_tracking(rng: random.Random, hay_seed: str) -> Callable[[int], tuple[str, tuple[str, ...]]]:
     hops = 4
-    names: list[str] = []
-    while len(names) < hops + 1:
-        name = "".join(rng.choice(string.ascii_uppercase) for _ in range(5))
-        if name not in names:
-            names.append(name)
-    value = str(rng.randrange(10_000, 100_000))
-    statements = [f"VAR {names[0]} = {value}."] + [f"VAR {names[i]} = VAR {names[i - 1]}." for i in range(1, hops + 1)]
+    names, value, statements = text.variable_chain(rng, hops)
     depths = sorted(rng.random() for _ in statements)  # keep the chain in order
 
     def build(n: int) -> tuple[str, tuple[str, ...]]:
-        hay = [_NOISE] * n
-        body = " ".join(_insert(hay, statements, depths))
+        body = " ".join(text.insert([text.NOISE] * n, statements, depths))
         prompt = (
             "Memorize and track the chain(s) of variable assignments hidden in the following text.\n\n"
             f"{body}\n\n"
@@ -188,7 +113,7 @@ def _task_frequent_words(rng: random.Random, hay_seed: str) -> Callable[[int], t
     vocab_size = 200
     vocab: list[str] = []
     while len(vocab) < vocab_size:
-        w = _code_word(rng)
+        w = text.code_word(rng)
         if w not in vocab:
             vocab.append(w)
     # Zipf-like weights with a clear gap between rank 3 and rank 4
@@ -214,7 +139,7 @@ def _task_frequent_words(rng: random.Random, hay_seed: str) -> Callable[[int], t
     return build
 
 
-def _task_qa(rng: random.Random, hay_seed: str) -> Callable[[int], tuple[str, tuple[str, ...]]]:
+def qa_task(rng: random.Random, hay_seed: str) -> Callable[[int], tuple[str, tuple[str, ...]]]:
     gold_depth = rng.random()
     question_kind = rng.randrange(3)
 
@@ -225,7 +150,7 @@ def _task_qa(rng: random.Random, hay_seed: str) -> Callable[[int], tuple[str, tu
         used: set[str] = set()
         for i in range(max(n, 1)):
             while True:
-                org = f"{drng.choice(_PLACES)} {drng.choice(_INDUSTRIES).title()} {drng.choice(['Company', 'Guild', 'Works', 'Society'])}"
+                org = f"{drng.choice(text.PLACES)} {drng.choice(text.INDUSTRIES).title()} {drng.choice(['Company', 'Guild', 'Works', 'Society'])}"
                 if org not in used:
                     used.add(org)
                     break
@@ -234,9 +159,9 @@ def _task_qa(rng: random.Random, hay_seed: str) -> Callable[[int], tuple[str, tu
                     used.add(org)
                     break
             year = str(drng.randrange(1700, 1990))
-            founder = f"{drng.choice(_FIRST)} {drng.choice(_LAST)}"
-            city = drng.choice(_PLACES)
-            filler = " ".join(_essay(drng, 3))
+            founder = f"{drng.choice(text.FIRST_NAMES)} {drng.choice(text.LAST_NAMES)}"
+            city = drng.choice(text.PLACES)
+            filler = " ".join(text.essay(drng, 3))
             docs.append(
                 f"Document {i + 1}:\n{org}\n{org} was founded in {year} by {founder}. "
                 f"Its main office is in {city}. {filler}"
@@ -263,33 +188,13 @@ _TASK_BUILDERS = {
     "niah_multikey": _task_niah_multikey,
     "variable_tracking": _task_variable_tracking,
     "frequent_words": _task_frequent_words,
-    "qa": _task_qa,
+    "qa": qa_task,
 }
 
 
 # --------------------------------------------------------------------------- #
 # generation
 # --------------------------------------------------------------------------- #
-def length_bins(max_seqlen: int, min_seqlen: int = 1024, num_length_bins: int | None = None) -> list[int]:
-    """``[max_seqlen, max_seqlen // 2, ...]`` while ``>= min_seqlen`` (descending), capped to ``num_length_bins``."""
-    for name, value in (("max_seqlen", max_seqlen), ("min_seqlen", min_seqlen)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise CalibrationDataError(f"{name} must be a positive integer number of tokens, got {value!r}")
-    if max_seqlen < min_seqlen:
-        raise CalibrationDataError(
-            f"max_seqlen={max_seqlen} is below the length floor min_seqlen={min_seqlen}; "
-            f"raise --calib_max_seqlen or lower --calib_min_seqlen"
-        )
-    if num_length_bins is not None and (isinstance(num_length_bins, bool) or not isinstance(num_length_bins, int) or num_length_bins < 1):
-        raise CalibrationDataError(f"num_length_bins must be a positive integer or None, got {num_length_bins!r}")
-    bins = []
-    length = max_seqlen
-    while length >= min_seqlen:
-        bins.append(length)
-        length //= 2
-    return bins[:num_length_bins] if num_length_bins is not None else bins
-
-
 def _count(tokenizer: Tokenizer, text: str) -> int:
     return len(tokenizer.encode(text))
 
@@ -319,13 +224,7 @@ def _fit_to_budget(build: Callable[[int], tuple[str, tuple[str, ...]]], tokenize
         hi, lo = guess, max(1, int(guess * 0.9))
         while measure(lo) > budget:
             hi, lo = lo, max(1, lo // 2)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if measure(mid) <= budget:
-            lo = mid
-        else:
-            hi = mid
-    return cache[lo]
+    return cache[largest_fitting(lo, hi, lambda n: measure(n) <= budget)]
 
 
 #: Default fraction of each bin's prompt budget that the staggered prompt lengths cover (see the module docstring).

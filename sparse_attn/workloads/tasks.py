@@ -16,7 +16,7 @@ Tasks (our own templates, after the RULER categories):
 ``qa``            many short documents about invented organisations, asked one fact.
 
 Held out: every sample's random stream is keyed ``sparse-attn-eval:SEED:TASK:LENGTH:I``; calibration's
-are ``sparse-attn-calib:SEED:I:TASK`` (:mod:`sparse_attn.calibration.synthetic`) and, for
+are ``sparse-attn-calib:SEED:I:TASK`` (:mod:`sparse_attn.workloads.synthetic`) and, for
 ``--calib_set tasks`` (these kinds of prompt), ``sparse-attn-calib:SEED:TASK:LENGTH:I``: no seed of one
 reproduces a prompt of another. Lengths count the whole prompt (template included).
 """
@@ -24,12 +24,15 @@ reproduces a prompt of another. Lengths count the whole prompt (template include
 from __future__ import annotations
 
 import random
-import string
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from sparse_attn.calibration import synthetic as syn
-from sparse_attn.calibration.errors import CalibrationDataError
+from sparse_attn.errors import CalibrationDataError
+
+from . import text
+from .lengths import largest_fitting
+from .prompts import ChatTemplatePrompts
+from .synthetic import qa_task
 
 __all__ = ["EVAL_TASKS", "EvalSample", "build_samples", "encode_prompt"]
 
@@ -51,25 +54,15 @@ class EvalSample:
     answer_token_ids: tuple[int, ...]
 
 
-def _needles(rng: random.Random, count: int) -> tuple[list[str], list[str]]:
-    keys: list[str] = []
-    while len(keys) < count:
-        k = f"{rng.choice(syn._ADJECTIVES)}-{rng.choice(syn._NOUNS)}"
-        if k not in keys:
-            keys.append(k)
-    return keys, [str(rng.randrange(1_000_000, 10_000_000)) for _ in keys]
-
-
 def _niah(rng: random.Random, num_needles: int) -> Builder:
-    keys, values = _needles(rng, num_needles)
+    keys, values = text.needles(rng, num_needles)
     depths = [rng.random() for _ in keys]
     asked = rng.randrange(num_needles)
     hay_seed = rng.random()
 
     def build(n: int):
-        hay = syn._essay(random.Random(hay_seed), n)
-        needles = [f"One of the special magic numbers for {k} is: {v}." for k, v in zip(keys, values)]
-        body = " ".join(syn._insert(hay, needles, depths))
+        hay = text.essay(random.Random(hay_seed), n)
+        body = " ".join(text.insert(hay, text.needle_sentences(keys, values), depths))
         some = "A special magic number is" if num_needles == 1 else "Some special magic numbers are"
         user = (f"{some} hidden in the following text. Make sure to memorize it. I will quiz you about "
                 f"the number afterwards.\n\n{body}\n\nWhat is the special magic number for {keys[asked]} "
@@ -81,17 +74,11 @@ def _niah(rng: random.Random, num_needles: int) -> Builder:
 
 def _variable_tracking(rng: random.Random) -> Builder:
     hops = 3
-    names: list[str] = []
-    while len(names) < hops + 1:
-        name = "".join(rng.choice(string.ascii_uppercase) for _ in range(5))
-        if name not in names:
-            names.append(name)
-    value = str(rng.randrange(10_000, 100_000))
-    statements = [f"VAR {names[0]} = {value}."] + [f"VAR {names[i]} = VAR {names[i - 1]}." for i in range(1, hops + 1)]
+    names, value, statements = text.variable_chain(rng, hops)
     depths = sorted(rng.random() for _ in statements)
 
     def build(n: int):
-        body = " ".join(syn._insert([syn._NOISE] * n, statements, depths))
+        body = " ".join(text.insert([text.NOISE] * n, statements, depths))
         user = (f"Memorize and track the chain of variable assignments hidden in the following text.\n\n{body}\n\n"
                 f"Question: Find all variables that are assigned the value {value} in the text above.")
         return user, (f"Answer: According to the chain of variable assignments in the text above, {hops + 1} "
@@ -101,8 +88,8 @@ def _variable_tracking(rng: random.Random) -> Builder:
 
 
 def _common_words(rng: random.Random) -> Builder:
-    common = [w for w in rng.sample(syn._NOUNS, 3)]
-    rare_pool = [w for w in syn._NOUNS + syn._ADJECTIVES if w not in common]
+    common = [w for w in rng.sample(text.NOUNS, 3)]
+    rare_pool = [w for w in text.NOUNS + text.ADJECTIVES if w not in common]
     hay_seed = rng.random()
 
     def build(n: int):
@@ -121,7 +108,7 @@ def _common_words(rng: random.Random) -> Builder:
 
 
 def _qa(rng: random.Random) -> Builder:
-    qa = syn._task_qa(rng, f"eval-qa:{rng.random()}")
+    qa = qa_task(rng, f"eval-qa:{rng.random()}")
 
     def build(n: int):
         prompt, answers = qa(n)
@@ -144,10 +131,7 @@ _BUILDERS: dict[str, Callable[[random.Random], Builder]] = {
 def encode_prompt(tokenizer: Any, user: str, lead_in: str) -> list[int]:
     """The prompt's token ids: the chat template's own ids plus the lead-in, or plain text for a base model."""
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids) + tokenizer.encode(lead_in, add_special_tokens=False)
+        return ChatTemplatePrompts(tokenizer).encode(user) + tokenizer.encode(lead_in, add_special_tokens=False)
     return tokenizer.encode(user + "\n" + lead_in)
 
 
@@ -218,10 +202,4 @@ def _largest(prompt_of: Callable[[int], tuple[list[int], tuple[str, ...]]], budg
     hi = lo + 1
     while size(hi) <= budget:
         lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if size(mid) <= budget:
-            lo = mid
-        else:
-            hi = mid
-    return cache[lo]
+    return cache[largest_fitting(lo, hi, lambda n: size(n) <= budget)]

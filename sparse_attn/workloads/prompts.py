@@ -17,7 +17,7 @@ Loading needs no tokenizer (:func:`load_prompts`), so malformed files fail
 before transformers or vLLM is imported. :func:`check_lengths` is the single
 place that measures prompts and enforces ``prompt tokens + decode tokens <=
 max_model_len``, for loaded and synthetic prompts alike. Errors are
-:class:`~sparse_attn.calibration.errors.CalibrationDataError` naming the file
+:class:`~sparse_attn.errors.CalibrationDataError` naming the file
 and line (or value index), what is wrong, and the fix.
 """
 
@@ -28,9 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
+from sparse_attn.errors import CalibrationDataError
 from sparse_attn.jsonio import JsonInputError, loads, read_text_file, shorten
-
-from .errors import CalibrationDataError
 
 __all__ = ["SAMPLES_FILE", "CalibrationSample", "ChatTemplatePrompts", "Tokenizer", "check_lengths", "check_vocabulary",
            "load_prompts"]
