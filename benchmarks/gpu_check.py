@@ -21,7 +21,10 @@ in at most ~8 minutes on an H200:
    and each replay must equal an eager call on the new data.
 3. **capture memory**: the bytes a captured decode allocates (its graph pool, and the
    kernel's own scratch) per captured batch size with a 128k-token block table.
-4. **bench**: the issue-13 benchmark of ``benchmarks/bench_kernels.py`` (skip with
+4. **forward**: the adapter's whole decode forward on fake vLLM metadata, CUDA-graph captured,
+   microseconds per layer-step dense and at 50 / 70 / 90 % tile sparsity against a native
+   stand-in (fused SDPA on pre-gathered K/V), 4k / 32k / 128k context, batch 1 and 16.
+5. **bench**: the issue-13 benchmark of ``benchmarks/bench_kernels.py`` (skip with
    ``--skip-bench``).
 
 Writes ``<out>.json`` (every number, device name, versions) and ``<out>.md`` (summary).
@@ -257,6 +260,113 @@ def check_graph(device, dry_run, log, sizes=(32, 8, 128, 16, 256, 8), variant="p
                            features={k: str(v) for k, v in features.items()}))
 
 
+#: The adapter step: (batch, KV length) of each case, and the target tile sparsities.
+FORWARD_CASES = [(b, kv) for kv in (4096, 32768, 131072) for b in (1, 16)]
+FORWARD_SPARSITY = (0.5, 0.7, 0.9)
+
+
+class _Metadata:
+    """The fields FLASH_ATTN-style metadata carries (``compat.model.describe_batch`` reads them)."""
+
+    def __init__(self, batch, q_len):
+        s = batch.num_seqs
+        self.query_start_loc, self.seq_lens, self.block_table = batch.query_start_loc, batch.seq_lens, batch.block_table
+        self.slot_mapping = torch.zeros(s * q_len, dtype=torch.int64, device=batch.query.device)
+        self.num_actual_tokens, self.max_query_len = s * q_len, q_len
+        self.max_seq_len, self.causal = int(batch.seq_lens.max()), True
+
+
+class _SdpaImpl:
+    """The "native impl" of this script (vLLM is not installed here): fused SDPA
+    (``bench_kernels._sdpa_call``: flash / cuDNN / efficient) on K/V gathered beforehand into
+    contiguous ``[S, Hkv, L, D]`` tensors, one launch per layer."""
+
+    def __init__(self, sdpa, hq, d):
+        self.sdpa, self.num_heads, self.num_kv_heads, self.head_size = sdpa, hq, None, d
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        out = self.sdpa()                                        # [S, Hq, 1, D]
+        output.view(out.shape[0], self.num_heads, self.head_size).copy_(out[:, :, 0])
+        return output
+
+
+def check_forward(device, dry_run, log, cases=FORWARD_CASES, dims=(32, 8, 128), repeats=20, budget_s=150.0):
+    """Issue 30: the adapter's whole decode forward (``SparseAttentionMixin.forward`` on fake
+    FLASH_ATTN metadata: compat's batch description and cache views, the step plan, the kernel
+    computing its lambdas and counts) captured in a CUDA graph, microseconds per layer-step,
+    against the native stand-in (:class:`_SdpaImpl`) captured the same way: dense (lambda 0: the
+    policy's scale puts lambda >= 1) and at each target tile sparsity (the scale factor whose
+    ``scale / kv_len`` is the lambda that reaches it, calibrated on the same data)."""
+    import types
+
+    import bench_kernels as bk
+
+    os.environ["SPARSE_ATTN_KV_LAYOUT"] = "FLASH_ATTN=packed"
+    os.environ["SPARSE_ATTN_CACHE_WRITER"] = "vllm"          # vLLM stores the tokens before forward
+    import compat
+    from compat import model as cmodel
+    from sparse_attn.adapter import Policy, make_sparse
+    from sparse_attn.stats import WorkerStats
+
+    compat.reset_for_tests()
+    hq, hkv, d = dims
+    rows, not_run, t0 = [], [], time.perf_counter()
+    for n_seqs, kv_len in cases:
+        if time.perf_counter() - t0 > budget_s:
+            not_run.append(f"b{n_seqs}-{kv_len}")
+            log(f"  forward b{n_seqs} kv {kv_len}: not run, past the {budget_s:.0f} s budget")
+            continue
+        page = 16
+        batch = bk.make_inputs(n_seqs, kv_len, 1, hq, hkv, d, page, torch.bfloat16, device)
+        scale = d ** -0.5
+        picks, grid, frac = bk.calibrate(batch, scale, FORWARD_SPARSITY, "auto")
+        q4, k4, v4 = bk.gathered(batch, 1)
+        sdpa, backend = bk._sdpa_call(q4, k4, v4, scale, 1, kv_len)
+        kv = torch.empty(batch.key_cache.shape[0], hkv, page, 2 * d, dtype=torch.bfloat16, device=device)
+        kc, vc = compat.kv_cache_views(kv, head_size=d, backend="FLASH_ATTN", isa=None, kv_cache_dtype="auto")
+        kc.copy_(batch.key_cache)
+        vc.copy_(batch.value_cache)
+        md = _Metadata(batch, 1)
+        query = batch.query.reshape(n_seqs, hq * d).contiguous()
+        key = torch.zeros(n_seqs, hkv, d, dtype=torch.bfloat16, device=device)
+        info = cmodel.LayerInfo(name="layers.0.attn", owner_class="LlamaAttention", backend="FLASH_ATTN",
+                                num_heads=hq, num_kv_heads=hkv, head_size=d, scale=scale, cpu_isa=None,
+                                features=cmodel.LayerFeatures())
+        # scale factor -> lambda = scale / kv_len: dense (>= 1), then each target's lambda
+        factors = [2.0 * kv_len] + [grid[i] * kv_len for i in picks]
+        fns, outs = [], []
+        for factor in factors:
+            layer = types.SimpleNamespace(impl=_SdpaImpl(sdpa, hq, d))
+            impl = make_sparse(layer, info, Policy(scale_factors={"decode": factor}, stats_interval_s=0),
+                               WorkerStats())
+            out = torch.empty(n_seqs, hq * d, dtype=torch.bfloat16, device=device)
+            outs.append(out)
+            fns.append(lambda impl=impl, layer=layer, out=out: impl.forward(layer, query, key, key, kv, md, out))
+        native_out = torch.empty(n_seqs, hq * d, dtype=torch.bfloat16, device=device)
+        native = _SdpaImpl(sdpa, hq, d)
+        fns.append(lambda: native.forward(None, query, key, key, kv, md, native_out))
+        mode = "eager"
+        if device == "cuda":
+            fns, mode = [bk._graphed(f) for f in fns], "cuda-graph"
+        ms = bk._time_ms(fns, 1 if dry_run else repeats, device)
+        for fn in fns:
+            fn()
+        err = max((o.float() - native_out.float()).abs().max().item() for o in outs[:1])
+        for j, factor in enumerate(factors):
+            rows.append(dict(batch=n_seqs, kv=kv_len, heads=f"{hq}/{hkv}/{d}", target=0.0 if j == 0 else
+                             FORWARD_SPARSITY[j - 1], sparsity=0.0 if j == 0 else frac[picks[j - 1]],
+                             scale_factor=factor, us=ms[j] * 1e3, us_native=ms[-1] * 1e3,
+                             vs_native=ms[-1] / ms[j], native=backend, timing=mode, dense_max_abs_err=err))
+        log(f"  forward b{n_seqs} kv {kv_len}: native {ms[-1] * 1e3:.1f} us ({backend}), dense {ms[0] * 1e3:.1f} us, "
+            + ", ".join(f"{r['sparsity']:.0%}: {r['us']:.1f} us" for r in rows[-len(FORWARD_SPARSITY):])
+            + f" [{mode}]")
+        del batch, kv, kc, vc, q4, k4, v4
+    ok = bool(rows) and all(r["dense_max_abs_err"] <= 3e-2 for r in rows)
+    return dict(rows=rows, not_run=not_run, ok=ok, dims=dict(hq=hq, hkv=hkv, d=d),
+                note="per layer and decode step; native = fused SDPA on pre-gathered contiguous K/V (vLLM absent)")
+
+
 CAPTURE_BATCHES = (1, 8, 64, 256, 512)
 
 
@@ -341,6 +451,13 @@ def _markdown(res) -> str:
             pool = f"{r['graph_pool_bytes'] / 2**20:.2f} MiB" if "graph_pool_bytes" in r else "not measured (dry run)"
             lines.append(f"| {r['batch']} | {r['kv_programs']} | {r['scratch_bytes'] / 2**20:.2f} MiB | {pool} | "
                          f"{r['unbounded_partials_bytes'] / 2**20:.1f} MiB |")
+    if "forward" in res and res["forward"].get("rows"):
+        lines += ["", "## Adapter decode forward per layer-step (issue 30)", "",
+                  "| batch | kv | target | tile sparsity | us | native us | native / ours | timing |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---|"]
+        lines += [f"| {r['batch']} | {r['kv']} | {r['target']:.0%} | {r['sparsity']:.1%} | {r['us']:.1f} | "
+                  f"{r['us_native']:.1f} | {r['vs_native']:.2f} | {r['timing']} |" for r in res["forward"]["rows"]]
+        lines += ["", res["forward"]["note"]]
     if "bench" in res:
         from bench_kernels import gpu_markdown
 
@@ -386,7 +503,9 @@ def main(argv=None) -> int:
     steps = [("kernels", lambda: check_kernels(device, DRY_KERNEL_CASES, log, DRY_LAMS) if a.dry_run
               else check_kernels(device, KERNEL_CASES, log)),
              ("graph", lambda: {v: check_graph(device, a.dry_run, log, variant=v) for v in GRAPH_VARIANTS}),
-             ("capture_memory", lambda: check_capture_memory(device, a.dry_run, log))]
+             ("capture_memory", lambda: check_capture_memory(device, a.dry_run, log)),
+             ("forward", lambda: check_forward(device, a.dry_run, log, cases=[(2, 192)], dims=(4, 2, 32))
+              if a.dry_run else check_forward(device, a.dry_run, log, repeats=a.repeats))]
     if not a.skip_bench:
         def bench():
             import bench_kernels as bk
@@ -415,7 +534,7 @@ def main(argv=None) -> int:
         _write(a.out, res, t_start)             # partial results survive a timeout
     res["ok"] = bool(not res["errors"] and all(r["ok"] for r in res.get("kernels", []))
                      and res.get("graph") and all(g["ok"] for g in res["graph"].values())
-                     and res.get("capture_memory", {}).get("ok"))
+                     and res.get("capture_memory", {}).get("ok") and res.get("forward", {}).get("ok"))
     _write(a.out, res, t_start)
     log(f"{'PASS' if res['ok'] else 'FAIL'}: wrote {a.out}.json and {a.out}.md")
     return 0 if res["ok"] else 1

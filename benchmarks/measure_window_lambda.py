@@ -99,8 +99,8 @@ def tile_stats(q, k, scaling, window, rows: slice):
 
 
 def sparsity(margin, anchor, lam: float) -> tuple[int, int]:
-    if not 0 < lam < 1:  # serving runs such a sequence dense (kernels.effective_lambda)
-        return 0, int(margin.numel())
+    """(skipped, visited) tiles at ``lam``, one of :data:`LAMBDAS`: all in (0, 1), so no swept
+    lambda is one serving runs dense (``kernels.effective_lambda``)."""
     return int(((margin < lam) & ~anchor).sum()), int(margin.numel())
 
 

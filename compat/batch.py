@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -85,8 +85,8 @@ class BatchDescription:
       position is, for the kernel, exactly a decode step.
 
     ``uniform_decode`` (``max_query_len <= 1``, a host int) marks the batches
-    vLLM captures in full CUDA graphs; ``decode_mask()`` gives the per-sequence
-    phase on the device without reading device data.
+    vLLM captures in full CUDA graphs (the kernel itself tells a padded request, query
+    length 0, from its query offsets there).
     """
 
     num_tokens: int
@@ -114,11 +114,6 @@ class BatchDescription:
     def uniform_decode(self) -> bool:
         """Every query length is at most 1 (0 = a padded or finished request)."""
         return int(self.max_query_len) <= self.DECODE_QUERY_LEN
-
-    def decode_mask(self) -> torch.Tensor:
-        """``[S]`` bool on the device: the phase rule applied per sequence."""
-        query_lens = self.query_start_loc[1:] - self.query_start_loc[:-1]
-        return query_lens == self.DECODE_QUERY_LEN
 
     def host_lengths(self, exact: bool = True) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
         """``(query_start_loc, seq_lens, seq_lens_exact)`` as host ints, from vLLM's host copies
@@ -155,6 +150,14 @@ class BatchDescription:
                 if q_len:
                     groups.setdefault("decode" if self.is_decode(q_len) else "prefill", []).append(s)
             self._memo[key] = {phase: self._rows(seqs, starts, kv_lens, kv_exact) for phase, seqs in groups.items()}
+        return self._memo[key]
+
+    def memo(self, key: Any, build: Callable[[], Any]) -> Any:
+        """``build()``, once per step and ``key``: what a caller derives from this step's batch
+        alone (the sparse path's per-(phase, policy) launch plan) is shared by every layer."""
+        key = ("caller", key)
+        if key not in self._memo:
+            self._memo[key] = build()
         return self._memo[key]
 
     def rows_of(self, seqs: tuple[int, ...], exact: bool = True) -> PhaseRows:

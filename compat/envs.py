@@ -34,6 +34,8 @@ logger = logging.getLogger("compat")
 
 #: Backends ``compat`` serves, by vLLM's ``AttentionBackendEnum`` member name.
 BACKENDS: tuple[str, ...] = ("FLASHINFER", "FLASH_ATTN", "CPU_ATTN")
+#: The backends whose layers run on the CPU (the others on a GPU).
+CPU_BACKENDS: frozenset[str] = frozenset({"CPU_ATTN"})
 #: Layout names of the catalogue: the ``compat.layouts.KVLayout`` values (one definition).
 LAYOUT_NAMES: tuple[str, ...] = tuple(layout.value for layout in KVLayout)
 WRITER_CHOICES: tuple[str, ...] = ("auto", "vllm", "adapter")

@@ -11,17 +11,16 @@ were). Per launch (``forward(*args, **kwargs)``, normalised by
   arguments, cascade or non-causal launches, and launches whose phases are all
   uncalibrated;
 * **uniform decode** (every query length <= 1: the batches vLLM captures in full
-  CUDA graphs): a capture-safe path that reads no device data on the host.
-  Lambdas ``scale / seq_len`` are computed on the device (``>= 1`` -> 0 = dense),
-  the phase mask comes from ``compat.model.BatchDescription.decode_mask``, the
-  kernel runs once with ``check=False``, and its counts are added to device
-  counters (``WorkerStats.add_device``);
-* **prefill and mixed batches** (vLLM runs attention eagerly there): the step's one
-  batch description (``compat.model.describe_batch``: vLLM's host copies of the lengths, or
-  one device read per step) gives each phase's rows, one kernel launch per phase with that
-  host copy (no device read per layer), each sequence with its own threshold
-  ``lambda = a * exp(b * target) / kv_len`` computed on the device, counts added to device
-  counters;
+  CUDA graphs): a capture-safe path that reads no device data on the host. On a GPU
+  the layer is the attention kernel alone (and its split merge): it computes each
+  sequence's ``lambda = scale / min(kv_len, w)`` and the dense rule from the policy's
+  scalars (``kernels.LambdaRule``), tells padded requests from the query offsets, and
+  adds its counts to the stats' persistent device counter (``WorkerStats.device_counter``);
+* **prefill and mixed batches** (vLLM runs attention eagerly there): one plan per step,
+  phase and policy (``_step_plan``, memoised on the step's ``compat.model.BatchDescription``:
+  the phase's rows and host copy, whether any lambda is > 0, the threshold, the tile map),
+  shared by every layer; one launch per phase, the step's first validated, the others
+  with ``check=False``; counts added to the device counters;
 * in calibration mode, the dense counting kernel for a grid of candidate scale
   factors, integer counts per phase (always eager: calibration runs enforce_eager).
 
@@ -41,10 +40,13 @@ from typing import Any, Callable, Mapping
 import torch
 
 import compat
+from compat import envs
 from compat import model as cmodel
 from compat import worker as cworker
-from sparse_attn.kernels import BatchMeta, LayerSpec, PagedBatch, effective_lambda, paged_attention, paged_attention_counts
+from sparse_attn.kernels import BatchMeta, LambdaRule, LayerSpec, PagedBatch, effective_lambda, paged_attention, paged_attention_counts
+from sparse_attn import settings
 from sparse_attn.kernels import support
+from sparse_attn.kernels.batch import COUNTER_SLOTS
 from sparse_attn.protocol import PHASES
 from sparse_attn.stats import DEVICE_COUNTER_INDEX, STATS, WorkerStats
 
@@ -52,6 +54,8 @@ logger = logging.getLogger("sparse_attn")
 
 DECODE, PREFILL = "decode", "prefill"
 assert set(PHASES) == {DECODE, PREFILL}
+# The kernels add their counts into the stats' device counters themselves (``counters=``).
+assert all(DEVICE_COUNTER_INDEX[name] == slot for name, slot in COUNTER_SLOTS.items()), COUNTER_SLOTS
 
 
 @dataclass(frozen=True)
@@ -99,7 +103,12 @@ def layer_spec(layer: Any, info: cmodel.LayerInfo) -> LayerSpec:
     vLLM computes at the first forward is the one they use)."""
     k_scale, v_scale = cmodel.layer_kv_scales(layer)
     return support.spec_for(info.features, scale=info.scale, sink_logits=cmodel.layer_sinks(layer),
-                            k_scale=k_scale, v_scale=v_scale)
+                            k_scale=k_scale, v_scale=v_scale, head_size=info.head_size, device=layer_device(info))
+
+
+def layer_device(info: cmodel.LayerInfo) -> str:
+    """``"cpu"`` for a layer of a CPU backend, else ``"cuda"`` (where the layer's kernels run)."""
+    return "cpu" if info.backend in envs.CPU_BACKENDS else "cuda"
 
 
 class SparseAttentionMixin:
@@ -152,36 +161,37 @@ class SparseAttentionMixin:
     # ------------------------------------------------------------------ uniform decode (capture-safe)
     def _decode(self, call: cworker.ImplCall, batch: cmodel.BatchDescription) -> None:
         """Every query length <= 1. Reads no device data on the host: shapes and host
-        ints (``num_tokens``, ``max_query_len``) only."""
+        ints (``num_tokens``, ``max_query_len``) only. On a GPU the layer is the attention
+        kernel (and its split merge) alone: it computes each sequence's lambda from the
+        policy's scale and window (``LambdaRule``) and adds its counts to the stats' device
+        counter. On CPU the step's plan holds the host lambdas (tensors there are host data)."""
         self._sa_stats.count_call()
         q, out, key_cache, value_cache = self._views(call, batch)
-        scale = float(self._sa_policy.scale_factors[DECODE])
-        lam = effective_lambda(scale, batch.seq_lens, self._sa_policy.window)  # the host path's rule, on the device
-        lam = torch.where(batch.decode_mask(), lam, torch.zeros_like(lam))  # q_len 0: dense (nothing to do)
-        result, skipped, visited = paged_attention(
+        step = _step_plan(batch, DECODE, self._sa_policy, None)
+        paged_attention(
             PagedBatch(q, key_cache, value_cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
-                       max_query_len=int(batch.max_query_len)),
-            self._sa_spec, threshold=lam, return_counts=True, out=out, check=False,
+                       max_query_len=int(batch.max_query_len), host=step.host),
+            self._sa_spec, threshold=step.threshold, out=out, check=False,
+            counters=self._sa_stats.device_counter(DECODE, q.device),
         )
-        self._sa_stats.add_device(DECODE, _launch_counts(lam, skipped, visited))
-        if result is not out:  # the kernel returns ``out`` itself; a copy only if an impl did not
-            out.copy_(result)
 
     # ------------------------------------------------------------------ prefill / mixed / calibration (eager)
     def _eager(self, call: cworker.ImplCall, batch: cmodel.BatchDescription):
         """Prefill and mixed batches (vLLM runs attention eagerly there), and calibration.
 
-        The batch lengths come from the step's one description (``BatchDescription.phase_rows``:
-        vLLM's host copies, or one device read for the whole step), so a layer reads no device
-        data on the host: one launch per phase with that host copy, lambdas on the device,
-        counts added to device counters."""
+        The step's plan (``_step_plan``, built by the first layer of the step and shared by the
+        others) holds each phase's rows with their host copy, whether any lambda is > 0, the
+        threshold, and the tile map the first launch builds; that first launch validates
+        everything, the others launch with ``check=False``: one launch per phase, counts
+        added to the stats' device counters, no device data read on the host."""
         policy = self._sa_policy
         phases = batch.phase_rows()
-        if policy.calibration_scales is None and not any(
-                policy.lambda_for(phase, kv_len) for phase, rows in phases.items() for kv_len in rows.kv_lens):
-            for phase in phases:
-                self._sa_stats.add_native(phase)
-            return cworker.call_native(self, call)
+        if policy.calibration_scales is None:
+            plans = {phase: _step_plan(batch, phase, policy, rows) for phase, rows in phases.items()}
+            if not any(plan.sparse for plan in plans.values()):
+                for phase in phases:
+                    self._sa_stats.add_native(phase)
+                return cworker.call_native(self, call)
 
         self._sa_stats.count_call()
         q, out, key_cache, value_cache = self._views(call, batch)
@@ -193,17 +203,15 @@ class SparseAttentionMixin:
                 for seq in rows.seqs:
                     self._count(phase, q, out, key_cache, value_cache, spec, batch.rows_of((seq,)))
                 continue
-            paged = _paged(q, key_cache, value_cache, rows)
-            scale = policy.scale_factors.get(phase)
-            if not any(policy.lambda_for(phase, kv_len) for kv_len in rows.kv_lens):
-                _store(out, rows, paged_attention(paged, spec, out=_out_view(out, rows)))
+            plan = plans[phase]
+            paged = _paged(q, key_cache, value_cache, rows, plan.host)
+            check = plan.check_once()
+            if not plan.sparse:
+                _store(out, rows, paged_attention(paged, spec, out=_out_view(out, rows), check=check))
                 self._sa_stats.add_dense(phase)
                 continue
-            lam = effective_lambda(scale, rows.seq_lens, policy.window)  # on the device: no host -> device copy per layer
-            result, skipped, visited = paged_attention(paged, spec, threshold=lam, return_counts=True,
-                                                       out=_out_view(out, rows))
-            _store(out, rows, result)
-            self._sa_stats.add_device(phase, _launch_counts(lam, skipped, visited))
+            _store(out, rows, paged_attention(paged, spec, threshold=plan.threshold, out=_out_view(out, rows),
+                                              check=check, counters=self._sa_stats.device_counter(phase, q.device)))
         self._sa_stats.maybe_log(policy.stats_interval_s)
         return call.output
 
@@ -224,9 +232,57 @@ class SparseAttentionMixin:
         )
 
 
-def _paged(q, key_cache, value_cache, rows: cmodel.PhaseRows) -> PagedBatch:
-    """One phase's launch, with its host copy: the kernel reads no device data on the host."""
-    host = BatchMeta(rows.kv_lens, rows.q_starts, rows.q_lens)
+@dataclass
+class StepPlan:
+    """What one (step, phase, policy) launches with, built once per step (FlashInfer's plan /
+    run split) and shared by every layer of that policy: ``host`` the phase's host copy
+    (``None`` on the capture-safe decode path of a GPU), ``sparse`` whether any of its lambdas
+    is > 0, ``threshold`` a ``LambdaRule`` the kernel evaluates (GPU) or the float32 host
+    lambdas (CPU tensors); ``validated`` once the first launch checked every argument."""
+
+    host: BatchMeta | None
+    sparse: bool
+    threshold: LambdaRule | torch.Tensor | None
+    validated: bool = False
+
+    def check_once(self) -> bool:
+        """``True`` for the step's first launch (full validation), ``False`` after, unless
+        ``SPARSE_ATTN_CHECK_EVERY_LAUNCH`` asks for every launch."""
+        first, self.validated = not self.validated, True
+        return first or bool(settings.get("SPARSE_ATTN_CHECK_EVERY_LAUNCH"))
+
+
+def _step_plan(batch: cmodel.BatchDescription, phase: str, policy: Policy, rows: cmodel.PhaseRows | None) -> StepPlan:
+    """The step's plan for ``phase`` under ``policy`` (``rows`` None: the whole uniform decode
+    batch), memoised on the step's ``BatchDescription``."""
+    scale = policy.scale_factors.get(phase)
+
+    def build() -> StepPlan:
+        rule = None if scale is None else LambdaRule(float(scale), policy.window)
+        cpu = not _kernel_computes_lambdas(batch.seq_lens.device)
+        if rows is None:
+            # Uniform decode, capture-safe: no host data. A phase whose every lambda is 0 still
+            # runs the kernel, which counts the launch as dense (no branch on device data).
+            # CPU: the rule's device form once per step (the CPU kernels take lambda tensors).
+            return StepPlan(None, rule is not None, rule.lambdas(batch.seq_lens) if cpu and rule else rule)
+        host = BatchMeta(rows.kv_lens, rows.q_starts, rows.q_lens, rows.kv_lens_exact)
+        lams = rule.host_lambdas(host.seq_lens) if rule is not None else []
+        sparse = any(lam > 0 for lam in lams) if host.seq_lens_exact else rule is not None
+        return StepPlan(host, sparse, torch.tensor(lams, dtype=torch.float32) if cpu and sparse else rule)
+
+    return batch.memo(("sparse-attn plan", phase, scale, policy.window, rows is None), build)
+
+
+def _kernel_computes_lambdas(device: torch.device) -> bool:
+    """Whether the kernel serving ``device`` takes a ``LambdaRule`` as is (Triton on a GPU);
+    the CPU kernels take lambda tensors (the step's plan builds them once)."""
+    return device.type != "cpu"
+
+
+def _paged(q, key_cache, value_cache, rows: cmodel.PhaseRows, host: BatchMeta | None = None) -> PagedBatch:
+    """One phase's launch, with its host copy (``host``, else built from ``rows``): the kernel
+    reads no device data on the host."""
+    host = host or BatchMeta(rows.kv_lens, rows.q_starts, rows.q_lens, rows.kv_lens_exact)
     return PagedBatch(q[rows.rows], key_cache, value_cache, rows.block_table, rows.seq_lens, rows.query_start_loc, host=host)
 
 
@@ -240,18 +296,6 @@ def _store(out: torch.Tensor, rows: cmodel.PhaseRows, result: torch.Tensor) -> N
         out[rows.rows] = result
     elif result.data_ptr() != out[rows.rows].data_ptr():
         out[rows.rows] = result
-
-
-def _launch_counts(lam: torch.Tensor, skipped: torch.Tensor, visited: torch.Tensor) -> torch.Tensor:
-    """int64 ``[len(PHASE_COUNTERS)]`` of one launch, on the device (nothing read): a launch
-    whose every lambda is 0 counts as dense, otherwise as one sparse launch with its tiles."""
-    sparse = (lam > 0).any().to(torch.int64)
-    counts = torch.zeros(len(DEVICE_COUNTER_INDEX), dtype=torch.int64, device=skipped.device)
-    counts[DEVICE_COUNTER_INDEX["skipped"]] = skipped.sum() * sparse
-    counts[DEVICE_COUNTER_INDEX["visited"]] = visited.sum() * sparse
-    counts[DEVICE_COUNTER_INDEX["launches"]] = sparse
-    counts[DEVICE_COUNTER_INDEX["dense_launches"]] = 1 - sparse
-    return counts
 
 
 def _capturing() -> bool:

@@ -20,11 +20,11 @@ import compat
 from compat import envs, graphs, patches
 from compat import model as cmodel
 from compat import worker as cworker
-from sparse_attn import settings
-from sparse_attn.adapter import Policy, make_sparse
+from sparse_attn import settings, warmup
+from sparse_attn.adapter import Policy, layer_device, make_sparse
 from sparse_attn.config import SECTION_KEY, SparseAttentionConfig, StartupRefused, startup_notes
 from sparse_attn.kernels import support
-from sparse_attn.kernels import cpu_impl
+from sparse_attn.kernels import cpu_impl, never_skips
 from sparse_attn.protocol import CALIBRATION_ENV, PHASES, STATS_RPC
 from sparse_attn.stats import STATS
 
@@ -126,6 +126,7 @@ def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, ra
     strict = settings.get("SPARSE_ATTN_STRICT")
     report = compat.probe()
     installed, native, backends, owners, features, curves, never_skip = 0, {}, set(), set(), {}, {}, {}
+    sparse_impls = []
     # A second install starts from the native model, so that its summary is the whole truth:
     # a layer it leaves native runs native, a layer it makes sparse runs with its policy.
     for layer, _ in cmodel.attention_layers(model):
@@ -142,8 +143,8 @@ def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, ra
         if reason is None:
             layer_policy = policy_for_layer(policy, config, info)
             try:
-                make_sparse(layer, info, layer_policy, STATS)
-            except compat.ImplReplacementError as exc:
+                sparse_impls.append(make_sparse(layer, info, layer_policy, STATS))
+            except (compat.ImplReplacementError, ValueError) as exc:   # ValueError: kernels.support.spec_for
                 reason = str(exc)
         if reason:
             native[info.name] = reason
@@ -191,6 +192,9 @@ def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, ra
         "startup_warnings": list(startup_warnings),
     }
     STATS.set_install(summary, tuple(sorted(owners)))
+    where = warmup.model_device_dtype(model) if installed else None
+    if where is not None:     # every kernel variant compiled and the counters allocated before any capture
+        warmup.warm_up(sparse_impls, STATS, device=where[0], dtype=where[1])
     for key, n in sorted(never_skip.items()):
         phase, window = key.split(", window ")
         logger.warning(
@@ -231,14 +235,14 @@ def policy_for_layer(policy: Policy, config: SparseAttentionConfig | None, info:
 
 
 def _phases_that_never_skip(policy: Policy) -> list[str]:
-    """Serving phases of a window-curve policy whose scale factor is ``>= window``: ``lambda = scale /
-    min(kv_len, w) >= 1`` at every length, which ``kernels.effective_lambda`` runs dense. The config alone
+    """Serving phases of a window-curve policy that never skip (``kernels.never_skips`` at the window:
+    ``lambda = scale / min(kv_len, w) >= 1`` at every length). The config alone
     cannot tell (it does not know the windows; ``SparseAttentionConfig.never_skip_warnings`` checks
     ``max_kv_len``): e.g. Gemma-3-270M's windowed prefill curve reaches 512 just above its 50 % target."""
     if policy.window is None or policy.calibration_scales is not None:
         return []
     return [phase for phase in PHASES
-            if (scale := policy.scale_factors.get(phase)) is not None and scale >= policy.window]
+            if (scale := policy.scale_factors.get(phase)) is not None and never_skips(scale, policy.window)]
 
 
 def describe_lambda(policy: Policy) -> str:
@@ -272,7 +276,7 @@ NOT_TARGETED = "not targeted by the config"
 def _native_reason(info: cmodel.LayerInfo, report: compat.CompatReport) -> str | None:
     """Why ``info``'s layer must stay native, or ``None``: the one place that joins what
     the kernels serve (``kernels.support``) with what compat says the layer is and has."""
-    reasons = list(support.unsupported(info.features))
+    reasons = list(support.unsupported(info.features, head_size=info.head_size, device=layer_device(info)))
     if info.compat_refusal:
         reasons.append(info.compat_refusal)
     entry = report.backends.get(info.backend)

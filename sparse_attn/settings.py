@@ -91,6 +91,16 @@ VARIABLES: tuple[EnvVar, ...] = (
         choices=_FLAG_CHOICES,
     ),
     EnvVar(
+        name="SPARSE_ATTN_CHECK_EVERY_LAUNCH",
+        default="0",
+        doc=(
+            "Debugging: `1` validates every kernel argument at every eager (prefill / mixed) launch; by "
+            "default the first launch of each step's plan validates and the other layers reuse it."
+        ),
+        parse=parse_flag,
+        choices=_FLAG_CHOICES,
+    ),
+    EnvVar(
         name="SPARSE_ATTN_STATS_INTERVAL_S",
         default="60",
         doc="Seconds between the plugin's achieved-sparsity log lines in each worker; `0` turns them off.",

@@ -5,8 +5,8 @@ calibration) so they can be added across layers, steps and tensor-parallel
 ranks before any ratio is taken. The snapshot is the ``STATS_RPC`` answer
 (schema: ``sparse_attn.protocol.SNAPSHOT_KEYS``).
 
-Launches served on the capture-safe decode path add their counts to device
-tensors (``add_device``) without reading them; ``snapshot()`` and the periodic
+Serving launches add their counts to per-(phase, device) counter tensors
+(``device_counter``, the kernels add into them) without reading them; ``snapshot()`` and the periodic
 log line read them, outside any forward. ``adapter_calls`` counts Python calls
 of the sparse forward: steps replayed from a CUDA graph do not run Python, so
 they appear in the device counters only.
@@ -86,17 +86,21 @@ class WorkerStats:
         with self.lock:
             self.adapter_calls += 1
 
-    def add_device(self, phase: str, counts: torch.Tensor) -> None:
-        """Add ``counts`` (int64 ``[len(PHASE_COUNTERS)]``, on the launch's device) in place,
-        without reading it. The accumulator is allocated at the first call on each device
-        (the eager warm-up vLLM runs before capturing) and only ever updated in place,
-        so a captured graph keeps adding to the same memory on every replay."""
-        key = (phase, str(counts.device))
-        with self.lock:
-            total = self.device_counts.get(key)
-            if total is None:
-                total = self.device_counts[key] = torch.zeros(len(PHASE_COUNTERS), dtype=torch.int64, device=counts.device)
-            total.add_(counts)
+    def device_counter(self, phase: str, device: torch.device) -> torch.Tensor:
+        """The persistent int64 ``[len(PHASE_COUNTERS)]`` accumulator of ``phase`` on ``device``,
+        which kernels add their counts into (``paged_attention(counters=...)``, nothing read).
+        Allocated once per (phase, device): by the install warm-up
+        (``sparse_attn.warmup``) before vLLM captures, else at the first call (vLLM's eager
+        warm-up), and only ever updated in place, so a captured graph keeps adding to the
+        same memory on every replay."""
+        key = (phase, str(device))
+        total = self.device_counts.get(key)
+        if total is None:
+            with self.lock:
+                total = self.device_counts.get(key)
+                if total is None:
+                    total = self.device_counts[key] = torch.zeros(len(PHASE_COUNTERS), dtype=torch.int64, device=device)
+        return total
 
     def set_install(self, summary: dict, owner_classes: tuple[str, ...]) -> None:
         with self.lock:

@@ -15,8 +15,9 @@ sample and phase.
 1. **pools** the samples per candidate: ``S(c) = sum skipped / sum visited``
    over all samples (:func:`pool`). This is the ratio serving reports for the
    same prompts at that scale: long samples weigh by their tiles, and a launch
-   where ``c / kv_len >= 1`` (serving runs it dense and counts nothing) counts
-   nothing here either;
+   where ``c / kv_len >= 1`` (serving runs it dense, and the kernels count no
+   visited tile of a sequence whose lambda is 0, in a batch too) counts nothing
+   here either;
 2. fits **where the target lies** (:func:`fit_phase`): ``scale_at_target`` is
    where the pooled curve, interpolated linearly in ``ln c`` between the two
    candidates that bracket the target, crosses it; the slope ``b`` comes from a
@@ -179,8 +180,16 @@ class FitResult:
     def scale(self, sparsity: float) -> float:
         return self.a * math.exp(self.b * sparsity)
 
-    def threshold(self, kv_len: int, sparsity: float | None = None) -> float:
-        return self.scale(self.target_sparsity if sparsity is None else sparsity) / kv_len
+    def threshold(self, kv_len: int, sparsity: float | None = None, *, window: int | None = None) -> float:
+        """The lambda serving uses at ``kv_len`` tokens (``kernels.effective_lambda``: 0.0 where
+        the scale over the normaliser is >= 1); a window curve (``normaliser`` ``min(kv_len, w)``)
+        needs the layer's ``window``."""
+        from sparse_attn.kernels import effective_lambda   # lazily: the kernels import torch
+
+        if self.normaliser != "kv_len" and window is None:
+            raise ValueError(f"{self.phase}: this curve's lambda is scale / {self.normaliser}; pass window=w")
+        scale = self.scale(self.target_sparsity if sparsity is None else sparsity)
+        return effective_lambda(scale, kv_len, window if self.normaliser != "kv_len" else None)
 
     def summary(self) -> str:
         lo, hi = self.observed_sparsity_range

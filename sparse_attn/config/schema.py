@@ -291,12 +291,14 @@ class SparseAttentionConfig:
     def _never_skipping(self, max_kv_len: int | None) -> list[tuple[str, str, float]]:
         if max_kv_len is None or isinstance(max_kv_len, bool) or not isinstance(max_kv_len, int) or max_kv_len <= 0:
             return []
+        from sparse_attn.kernels import never_skips   # lazily: the kernels import torch
+
         found = []
         for path, fits in self._curves():
             windowed = fits is not self.group.fits
             for phase in PHASES:
                 scale = self.scale_factor(phase, windowed=windowed) if phase in fits else None
-                if scale is not None and scale >= max_kv_len:
+                if scale is not None and never_skips(scale, max_kv_len):
                     found.append((path, phase, scale))
         return found
 
@@ -322,16 +324,19 @@ class SparseAttentionConfig:
 
     def threshold(self, phase: str, kv_len: int, target_sparsity: float | None = None, *,
                   window: int | None = None) -> float | None:
-        """Skip threshold of one sequence: ``a * exp(b * target) / kv_len``, or ``/ min(kv_len, window)``
-        on a sliding-window layer (``window`` tokens) when the group has the window curve; None when
-        ``phase`` runs dense."""
+        """The lambda serving uses for one sequence (``kernels.effective_lambda`` of the scale factor):
+        ``a * exp(b * target) / kv_len``, or ``/ min(kv_len, window)`` on a sliding-window layer
+        (``window`` tokens) when the group has the window curve; 0.0 where that is >= 1 (the sequence
+        runs dense); None when ``phase`` has no curve (dense)."""
+        from sparse_attn.kernels import effective_lambda   # lazily: the kernels import torch
+
         if isinstance(kv_len, bool) or not isinstance(kv_len, (int, float)) or not kv_len > 0:
             raise ValueError(f"kv_len must be a positive number of tokens, got {kv_len!r}")
         windowed = window is not None and self.has_window_curve
         scale = self.scale_factor(phase, target_sparsity, windowed=windowed)
         if scale is None:
             return None
-        return scale / (min(kv_len, window) if windowed else kv_len)
+        return effective_lambda(scale, kv_len, window if windowed else None)
 
     def matches(self, layer_name: str, class_name: str | Iterable[str] | None = None) -> bool:
         """Whether the layer gets skip-softmax (targeted and not ignored).

@@ -10,8 +10,9 @@ versions or cache layouts.
 from ._common import SPLIT_K, TILE_K, TILE_Q
 from .api import paged_attention, paged_attention_counts
 from .batch import BatchMeta, LayerSpec, PagedBatch
-from .checks import effective_lambda
+from .checks import effective_lambda, never_skips
+from .rule import LambdaRule
 from .support import spec_for, unsupported
 
-__all__ = ["SPLIT_K", "TILE_K", "TILE_Q", "BatchMeta", "LayerSpec", "PagedBatch", "effective_lambda",
-           "paged_attention", "paged_attention_counts", "spec_for", "unsupported"]
+__all__ = ["SPLIT_K", "TILE_K", "TILE_Q", "BatchMeta", "LambdaRule", "LayerSpec", "PagedBatch", "effective_lambda",
+           "never_skips", "paged_attention", "paged_attention_counts", "spec_for", "unsupported"]

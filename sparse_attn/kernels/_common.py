@@ -1,7 +1,7 @@
 """The skip rule and tile geometry shared by every implementation (the exact spec).
 
-Skip rule (identical in serving and counting mode, identical in every implementation)
--------------------------------------------------------------------------------------
+Skip rule (identical in serving and counting mode, and the same rule in every implementation)
+---------------------------------------------------------------------------------------------
 Work is cut into tiles.  A *query tile* is ``TILE_Q`` consecutive query rows of one
 sequence, aligned to the sequence's first query row; it is taken per query head.  A *KV
 tile* is ``TILE_K`` consecutive KV positions of one sequence, aligned to KV position 0
@@ -94,6 +94,38 @@ use the same one.  ``lambda = 0`` never skips (``e >= 0``).
 The skip decision is per query head: a kernel that packs the query heads of a KV group
 into one program (reading each K/V tile once) still tests each head's rows on their own,
 and reads a V tile when any head of the program keeps it.
+
+Counts.  ``visited`` counts the visited tiles of the sequences that some counted lambda
+can skip in: in serving mode those whose lambda is > 0, in counting mode those with a
+candidate > 0 (the anchor included, as the denominator of every sparsity).  A sequence
+served dense (lambda 0, e.g. ``effective_lambda``'s ``lambda >= 1`` rule) adds nothing, so
+a batched serving launch's ``skipped / visited`` is the ratio calibration pools from one
+sequence and candidate at a time (``calibration/fit.py``), whatever the batch mixes.
+
+Same rule, not the same bits.  For fp32 inputs every implementation (torch, Triton, the
+C++ builds) makes the float64 reference's skip decisions in every tested case (counts
+are compared exactly) and its outputs agree to fp32 rounding, not bit for bit (sums run
+in different orders); a ratio within rounding of lambda could flip in principle.  For
+16-bit inputs the Triton GPU kernel takes Q.K^T on 16-bit tensor cores while torch and C++
+pre-scale in fp32, so GPU counts agree with a CPU calibration statistically, not tile for
+tile.
+
+NaN and infinities.  A NaN or +inf logit is a broken input (a NaN in Q or the cache, an
+fp8 NaN byte, an overflow), and the policy is that no implementation hides one:
+
+* maxima propagate NaN (``torch.maximum`` semantics): a row's tile maximum is NaN when a
+  logit the row sees in the tile is NaN, and so are the running max and ratios built from
+  it (until the next split restarts from the seed);
+* a tile is skippable only where ``ratio < lambda`` holds, which is false for NaN: a NaN
+  ratio keeps its tile (and is never counted as skippable), so the NaN reaches the
+  softmax and every output row that sees it is NaN, at every lambda, as in dense
+  attention and the float64 reference.  Why: a skip that dropped a NaN would make a
+  broken cache look healthy at some lambdas and not others, and make sparse and dense
+  outputs differ in kind;
+* a +inf logit makes the rows that see it NaN (``inf - inf`` in the softmax), as in the
+  reference; tiles after it test against a +inf running max (ratio 0, skippable);
+* a -inf logit is weight 0, exactly like a masked position; a row whose logits in a tile
+  are all -inf does not vote on it.
 """
 
 from __future__ import annotations

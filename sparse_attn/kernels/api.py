@@ -22,8 +22,9 @@ from typing import Sequence
 import torch
 
 from . import cpu_impl, torch_impl
-from .batch import BatchMeta, LayerSpec, PagedBatch
-from .checks import CHECKS, check_split, fail, lambdas, validate
+from .batch import COUNTER_SLOTS, BatchMeta, LayerSpec, PagedBatch
+from .checks import CHECKS, check_split, effective_lambda, fail, lambdas, validate
+from .rule import LambdaRule
 
 _IMPLS = ("auto", "torch", "compiled", "triton")
 
@@ -46,11 +47,30 @@ def _backend(impl: str, batch: PagedBatch):
     return triton_impl
 
 
-def _run(batch: PagedBatch, spec: LayerSpec, threshold, candidates, count: bool, out, impl, split_k, check):
+def _run(batch: PagedBatch, spec: LayerSpec, threshold, candidates, count: bool, out, impl, split_k, check,
+         counters=None):
     """Serving (``candidates is None``: ``threshold`` applied, counted under it when
-    ``count``) or counting mode (the caller's candidate lambdas, nothing skipped)."""
+    ``count``, or added into ``counters``) or counting mode (the caller's candidate lambdas,
+    nothing skipped)."""
     split_k = check_split(split_k)
     backend = _backend(impl, batch)
+    if counters is not None and (count or candidates is not None):
+        fail("counters", "together with return_counts or candidates", "one way of counting per call")
+    if isinstance(threshold, LambdaRule):
+        if check:
+            effective_lambda(threshold.scale_factor, 1, threshold.window)       # the rule's own argument checks
+            lambdas(threshold.scale_factor, 1)                                  # finite, >= 0
+        if getattr(backend, "COUNTS_IN_KERNEL", False):
+            return _accumulated(batch, spec, threshold, counters, out, backend, split_k, check)
+        meta = validate(batch, spec, out, check) if check else batch.host
+        # CPU tensors: the rule's host form from the host lengths (no torch op but the tensor)
+        if meta is not None and meta.seq_lens_exact:
+            threshold = torch.tensor(threshold.host_lambdas(meta.seq_lens), dtype=torch.float32)
+        else:
+            threshold = threshold.lambdas(batch.seq_lens)
+        check = False
+    if counters is not None:
+        return _accumulated(batch, spec, threshold, counters, out, backend, split_k, check)
     if check not in CHECKS:
         fail("check", repr(check), "True, False or 'full'")
     if check:
@@ -77,16 +97,59 @@ def _run(batch: PagedBatch, spec: LayerSpec, threshold, candidates, count: bool,
                            split_k=split_k)
 
 
+def _accumulated(batch, spec, threshold, counters, out, backend, split_k, check):
+    """A serving launch whose counts go into ``counters`` (int64, :data:`COUNTER_SLOTS`), or
+    nowhere when it is ``None``.  Triton adds them in the kernel (atomics: no torch op); the
+    CPU kernels return them and they are added here on the host (CPU tensors: no sync)."""
+    if counters is not None and (not isinstance(counters, torch.Tensor) or counters.dtype != torch.int64
+                                 or counters.dim() != 1 or counters.shape[0] <= max(COUNTER_SLOTS.values())
+                                 or counters.device != batch.query.device):
+        seen = (tuple(counters.shape), counters.dtype, counters.device) if isinstance(counters, torch.Tensor) \
+            else type(counters).__name__
+        fail("counters", seen, f"an int64 [>{max(COUNTER_SLOTS.values())}] tensor on {batch.query.device}")
+    meta = validate(batch, spec, out, check) if check else batch.host
+    if out is None:
+        out = torch.empty_like(batch.query, memory_format=torch.contiguous_format)
+    if batch.query.shape[0] == 0:
+        return out, None, None
+    if getattr(backend, "COUNTS_IN_KERNEL", False):
+        lam = threshold if isinstance(threshold, LambdaRule) else \
+            lambdas(threshold, batch.num_seqs, reads_device=bool(check) and batch.host is None, device=batch.query.device)
+        return backend.forward(batch, spec, meta, threshold=lam, count_thresholds=None, out=out, split_k=split_k,
+                               counters=counters)
+    if meta is None:
+        meta = BatchMeta.from_host(batch.seq_lens, batch.query_start_loc)
+    if not check and isinstance(threshold, torch.Tensor) and threshold.dtype == torch.float32 \
+            and threshold.shape == (batch.num_seqs,):
+        lam = threshold                     # the caller vouches for it (check=False): no per-launch scan
+    else:
+        lam = lambdas(threshold, batch.num_seqs, reads_device=True)
+    counting = counters is not None
+    out, skipped, visited = backend.forward(batch, spec, meta, threshold=lam, count_thresholds=lam[None, :] if counting
+                                            else None, out=out, split_k=split_k)
+    if counting:
+        # the rule of COUNTER_SLOTS, on host ints: tiles of sequences with lambda > 0, one launch
+        sparse = any(l > 0 and q > 0 for l, q in zip(lam.tolist(), meta.q_lens))
+        row = [0] * counters.shape[0]
+        if sparse:                          # host tensors: read without an op per sum
+            row[COUNTER_SLOTS["skipped"]], row[COUNTER_SLOTS["visited"]] = sum(skipped.view(-1).tolist()), \
+                sum(visited.tolist())
+        row[COUNTER_SLOTS["launches" if sparse else "dense_launches"]] = 1
+        counters.add_(torch.tensor(row, dtype=torch.int64))
+    return out, None, None
+
+
 def paged_attention(
     batch: PagedBatch,
     spec: LayerSpec,
     *,
-    threshold: float | Sequence[float] | torch.Tensor | None = None,
+    threshold: float | Sequence[float] | torch.Tensor | LambdaRule | None = None,
     out: torch.Tensor | None = None,
     impl: str = "auto",
     return_counts: bool = False,
     split_k: int | None = None,
     check: bool | str = True,
+    counters: torch.Tensor | None = None,
 ):
     """Varlen paged attention with skip-softmax (BLASST) tile skipping.
 
@@ -97,7 +160,8 @@ def paged_attention(
             (:func:`spec_for` maps a serving engine's layer features to it).
         threshold: lambda, a runtime value: ``None`` or a float (the same lambda for every
             sequence) or ``S`` floats (a list or a 1-D tensor: one lambda per sequence,
-            e.g. :func:`effective_lambda`).  Each lambda must be finite and >= 0; ``None``
+            e.g. :func:`effective_lambda`), or a :class:`LambdaRule` (the kernel computes each
+            sequence's lambda from its KV length).  Each lambda must be finite and >= 0; ``None``
             or 0 means dense (for that sequence).  A KV tile is skipped when
             ``exp(tile_max - running_max) < lambda`` for every valid row of the query tile
             (exact rule in :mod:`sparse_attn.kernels._common`).  Lambdas are compared in
@@ -114,18 +178,27 @@ def paged_attention(
         check: ``True`` validates every argument; with ``batch.host`` that reads no device
             data, without it ``seq_lens`` / ``query_start_loc`` are copied to the host once
             and every used block id is checked (a device reduction).  ``"full"`` adds the
-            block-id check (and reads a device ``threshold``) even with ``batch.host``.
+            block-id check (and reads a device ``threshold``) even with ``batch.host``;
+            CPU tensors always get it (nothing to wait for), and the compiled CPU kernel
+            refuses an out-of-range id itself even with ``check=False``.
             ``False`` is the capture-safe path for CUDA graphs: nothing is validated and no
             device data is read on the host; ``threshold`` must be a float or a float32
             ``[S]`` device tensor (finite, >= 0: not checked), the grid is sized from
             shapes and host ints (``batch.host`` if given, else ``batch.max_query_len``
             and the block table's width), and the counts stay device tensors.
 
+        counters: an int64 ``[len(PHASE_COUNTERS)]`` tensor on the query's device (the serving
+            stats' persistent counter) that the launch adds its counts into, in place and
+            without a host read on a GPU (:data:`COUNTER_SLOTS`: tiles skipped and visited by
+            sequences with lambda > 0, and one sparse or dense launch); not with
+            ``return_counts``.
+
     Returns:
         ``out`` ``[T, Hq, D]`` in the query dtype (fp32 accumulation), or with
-        ``return_counts`` ``(out, skipped, visited)``, both int64 ``[Hq]`` tile counts.
+        ``return_counts`` ``(out, skipped, visited)``, both int64 ``[Hq]`` tile counts
+        (``visited``: the tiles of sequences whose lambda is > 0, ``_common`` "Counts").
     """
-    out, skipped, visited = _run(batch, spec, threshold, None, return_counts, out, impl, split_k, check)
+    out, skipped, visited = _run(batch, spec, threshold, None, return_counts, out, impl, split_k, check, counters)
     if return_counts:
         return out, skipped[0], visited
     return out
@@ -153,7 +226,7 @@ def paged_attention_counts(
 
     Returns:
         ``(out, skipped, visited)``: ``out`` ``[T, Hq, D]`` dense output in the query
-        dtype, ``skipped`` int64 ``[n, Hq]``, ``visited`` int64 ``[Hq]`` (independent of
-        lambda).
+        dtype, ``skipped`` int64 ``[n, Hq]``, ``visited`` int64 ``[Hq]`` (the tiles of the
+        sequences with some candidate > 0, whatever the values: ``_common`` "Counts").
     """
     return _run(batch, spec, None, thresholds, True, out, impl, split_k, check)

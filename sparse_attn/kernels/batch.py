@@ -7,7 +7,7 @@ implementation (torch, Triton, the C++ CPU kernel) reads them and nothing else.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -45,6 +45,10 @@ class BatchMeta:
     q_starts: tuple[int, ...]
     q_lens: tuple[int, ...]
     seq_lens_exact: bool = True
+    #: launch state derived from these lengths alone (the Triton tile map), built by the first
+    #: launch that travels with this host copy and reused by the next: a caller that keeps one
+    #: ``BatchMeta`` per step (the serving path's step plan) builds it once per step, not per layer
+    memo: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
 
     @classmethod
     def from_host(cls, seq_lens: Sequence[int] | torch.Tensor, query_start_loc: Sequence[int] | torch.Tensor,
@@ -146,3 +150,10 @@ class LayerSpec:
     sink_logits: torch.Tensor | None = None
     k_scale: float | torch.Tensor = 1.0
     v_scale: float | torch.Tensor = 1.0
+
+
+#: Where a launch adds its counts in a ``counters`` tensor (int64, the serving stats' device
+#: counter of a (phase, device), ``sparse_attn.protocol.PHASE_COUNTERS`` order): tiles skipped
+#: and visited by sequences with lambda > 0, and one sparse launch (some lambda > 0 on a
+#: sequence with query rows) or one dense launch.
+COUNTER_SLOTS = {"skipped": 0, "visited": 1, "launches": 2, "dense_launches": 4}

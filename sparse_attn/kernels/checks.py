@@ -1,9 +1,9 @@
 """Argument checks of a kernel call: the batch, the layer, the lambdas, the split length.
 
 Everything is checked before any work starts and raises ``ValueError`` naming what was
-seen and what was expected.  Device data is read on the host only where the caller
-allows it (``reads_device``): a checked call without a host copy of the batch, or
-``check="full"``.
+seen and what was expected.  GPU data is read on the host only where the caller allows
+it (``reads_device``): a checked call without a host copy of the batch, or
+``check="full"``; CPU tensors are read whenever the call is checked (no stream to wait for).
 """
 
 from __future__ import annotations
@@ -68,6 +68,15 @@ def effective_lambda(scale_factor, kv_len, window=None):
         return 0.0
     lam = float(scale_factor) / (min(kv_len, window) if window is not None else kv_len)
     return lam if 0 < lam < 1 else 0.0
+
+
+def never_skips(scale_factor, longest_normaliser) -> bool:
+    """Whether a phase served with ``scale_factor`` runs dense at every length: its
+    :func:`effective_lambda` is 0 at ``longest_normaliser`` (tokens: the longest KV length
+    served, or a window curve's ``w``, the most ``min(kv_len, w)`` can be).  Lambda falls
+    as the normaliser grows, so "dense there" is "dense everywhere"; the rule itself
+    (``lambda >= 1`` runs dense) lives in :func:`effective_lambda` alone."""
+    return effective_lambda(scale_factor, longest_normaliser) == 0.0
 
 
 def _lambda_values(value, name: str, reads_device: bool) -> torch.Tensor:
@@ -269,24 +278,45 @@ def _check_host(batch: PagedBatch, meta: BatchMeta) -> None:
 
 def _check_block_ids(batch: PagedBatch) -> None:
     """Every block id a sequence uses (by the device ``seq_lens``) is in range: a device
-    reduction and one host read."""
+    reduction and one host read (nothing to wait for on CPU tensors)."""
     bt, page = batch.block_table, batch.page_size
     if not batch.num_seqs:
         return
+    num_blocks = batch.key_cache.shape[0]
     need = (batch.seq_lens.long() + page - 1) // page
     used = torch.arange(bt.shape[1], device=bt.device)[None, :] < need[:, None]
-    out_of_range = used & ((bt < 0) | (bt >= batch.key_cache.shape[0]))
+    out_of_range = used & ((bt < 0) | (bt >= num_blocks))
     if bool(out_of_range.any()):
         s, j = (int(x) for x in out_of_range.nonzero()[0])
-        fail(f"block_table[{s}, {j}] out of range", int(bt[s, j]), f"a block id in [0, {batch.key_cache.shape[0]})")
+        fail(f"block_table[{s}, {j}] out of range", int(bt[s, j]),
+             f"a block id in [0, {num_blocks}) (the key cache has {num_blocks} blocks of {page} tokens). Fix: pass "
+             "the block table built for this KV cache (the ids vLLM's scheduler assigned in it)")
+
+
+def block_table_error(batch: PagedBatch) -> None:
+    """Raise the ``ValueError`` that says which block id or length the compiled kernel refused
+    (``sa_forward`` returns a code only; it reads nothing it refuses)."""
+    seq_lens = batch.seq_lens.cpu().long()
+    need = (seq_lens + batch.page_size - 1) // batch.page_size
+    if bool((seq_lens < 0).any()):
+        s = int((seq_lens < 0).nonzero()[0])
+        fail(f"seq_lens[{s}] negative", int(seq_lens[s]), "a KV length >= 0")
+    if batch.num_seqs and int(need.max()) > batch.block_table.shape[1]:
+        s = int(need.argmax())
+        fail(f"block_table too narrow for sequence {s}", f"{batch.block_table.shape[1]} columns",
+             f">= {int(need[s])} blocks for kv_len={int(seq_lens[s])} at page_size={batch.page_size}")
+    _check_block_ids(batch)
+    fail("the compiled CPU kernel refused the block table", "a block id or length it cannot read",
+         "ids in [0, num_blocks) for every block a sequence uses")
 
 
 def validate(batch: PagedBatch, spec: LayerSpec, out: torch.Tensor | None, check) -> BatchMeta:
     """Check every argument before any work; return the batch's host lengths.
 
-    With ``batch.host`` nothing on the device is read unless ``check == "full"`` (which
-    adds the block-id range check); without it ``seq_lens`` / ``query_start_loc`` are
-    copied to the host once and the block ids are checked.
+    With ``batch.host`` nothing on a GPU is read unless ``check == "full"`` (which adds
+    the block-id range check); without it ``seq_lens`` / ``query_start_loc`` are copied to
+    the host once and the block ids are checked.  CPU tensors always have their block ids
+    checked: reading them waits for nothing.
     """
     if check not in CHECKS:
         fail("check", repr(check), "True, False or 'full'")
@@ -304,6 +334,6 @@ def validate(batch: PagedBatch, spec: LayerSpec, out: torch.Tensor | None, check
     if meta is None:
         meta = BatchMeta.from_host(batch.seq_lens.cpu(), batch.query_start_loc.cpu())
     _check_host(batch, meta)
-    if batch.host is None or check == "full":
+    if batch.host is None or check == "full" or batch.block_table.device.type == "cpu":
         _check_block_ids(batch)
     return meta

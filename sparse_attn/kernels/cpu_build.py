@@ -36,13 +36,47 @@ import torch
 SOURCE = Path(__file__).resolve().parent / "csrc" / "skip_attn_cpu.cpp"
 #: Headers the source includes (part of the cache key).
 HEADERS = ("sa_simd.h", "sa_kernels.h")
-ABI_VERSION = 3
+#: The C ABI (``kAbiVersion`` in the source); :class:`SaCall` and the tile sizes are checked
+#: against the library's own ``sa_layout`` when it is opened.
+ABI_VERSION = 4
 #: Seconds one compile may take before it is abandoned (measured: ~7 s of CPU time with g++ 12).
 COMPILE_TIMEOUT_S = 600
 # -O2, not -O3: the micro-kernels carry their own unroll pragmas, so -O3 bought nothing
 # (prefill 2k, 9/3/64 heads: 78 ms at -O2 vs 83 ms at -O3) and cost 9.3 s of CPU time to
 # compile instead of 7.1 s (g++ 12.2; the portable build: 13.8 s vs 7.2 s).
 _BASE_FLAGS = ("-O2", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-Wno-psabi")
+
+
+class SaCall(ctypes.Structure):
+    """Mirror of ``struct SaCall`` in csrc/skip_attn_cpu.cpp (same order, same C types); :func:`_open`
+    compares its size and every field offset with the library's ``sa_layout``."""
+
+    _fields_ = [
+        ("abi", ctypes.c_int32), ("dtype", ctypes.c_int32), ("kv_dtype", ctypes.c_int32),
+        ("num_seqs", ctypes.c_int32), ("num_q_heads", ctypes.c_int32), ("num_kv_heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32), ("page_size", ctypes.c_int32),
+        ("causal", ctypes.c_int32), ("window", ctypes.c_int32), ("split_tiles", ctypes.c_int32),
+        ("num_threads", ctypes.c_int32), ("num_counts", ctypes.c_int32), ("bt_is64", ctypes.c_int32),
+        ("sl_is64", ctypes.c_int32), ("qsl_is64", ctypes.c_int32),
+        ("num_blocks", ctypes.c_int32), ("bt_cols", ctypes.c_int32),
+        ("scale", ctypes.c_float), ("soft_cap", ctypes.c_float), ("v_scale", ctypes.c_float),
+        ("q", ctypes.c_void_p), ("q_st", ctypes.c_int64), ("q_sh", ctypes.c_int64), ("q_sd", ctypes.c_int64),
+        ("out", ctypes.c_void_p), ("o_st", ctypes.c_int64), ("o_sh", ctypes.c_int64), ("o_sd", ctypes.c_int64),
+        ("k", ctypes.c_void_p), ("k_sb", ctypes.c_int64), ("k_st", ctypes.c_int64), ("k_sh", ctypes.c_int64),
+        ("k_sd", ctypes.c_int64),
+        ("v", ctypes.c_void_p), ("v_sb", ctypes.c_int64), ("v_st", ctypes.c_int64), ("v_sh", ctypes.c_int64),
+        ("v_sd", ctypes.c_int64),
+        ("bt", ctypes.c_void_p), ("bt_s0", ctypes.c_int64), ("bt_s1", ctypes.c_int64),
+        ("seq_lens", ctypes.c_void_p), ("qsl", ctypes.c_void_p), ("sl_s", ctypes.c_int64), ("qsl_s", ctypes.c_int64),
+        ("lam", ctypes.c_void_p), ("count_lam", ctypes.c_void_p),
+        ("sink_logits", ctypes.c_void_p), ("skipped", ctypes.c_void_p), ("visited", ctypes.c_void_p),
+    ]
+
+
+#: ``sa_forward``'s return codes (``kOk`` .. in the source) -> what went wrong.
+RETURN_CODES = {1: "the CPU lacks the ISA the library was built for", 2: "bad call (ABI, dtype, head or page size)",
+                3: "out of memory", 4: "a block id outside the cache", 5: "a block table too narrow for a sequence"}
+BAD_BLOCK_ID, BAD_BLOCK_TABLE = 4, 5
 
 
 class CpuKernelUnavailable(RuntimeError):
@@ -109,10 +143,46 @@ def cache_key(isa: str, profile: bool = False) -> str:
     return h.hexdigest()[:16]
 
 
+def expected_layout() -> list[int]:
+    """What ``sa_layout`` must report: ABI, ``sizeof(SaCall)``, field count, TILE_Q, TILE_K,
+    then every field's offset, all from this side (:class:`SaCall`, ``_common``)."""
+    from ._common import TILE_K, TILE_Q
+
+    offsets = [getattr(SaCall, name).offset for name, _ in SaCall._fields_]
+    return [ABI_VERSION, ctypes.sizeof(SaCall), len(SaCall._fields_), TILE_Q, TILE_K, *offsets]
+
+
+def check_layout(lib: ctypes.CDLL, path: Path) -> None:
+    """Refuse a library whose ABI, ``SaCall`` layout or tile sizes differ from this package's."""
+    if not hasattr(lib, "sa_layout"):
+        raise CpuKernelUnavailable(f"{path} predates sa_layout (ABI < 4), expected ABI {ABI_VERSION}. Fix: delete it; "
+                                   f"the next use rebuilds it")
+    lib.sa_layout.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.sa_layout.restype = ctypes.c_int
+    want = expected_layout()
+    buf = (ctypes.c_int64 * (len(want) + 8))()
+    n = lib.sa_layout(buf, len(buf))
+    got = list(buf[:min(n, len(buf))])
+    if got == want:
+        return
+    names = ["ABI", "sizeof(SaCall)", "SaCall field count", "TILE_Q", "TILE_K"]
+    diff = next((i for i in range(max(len(got), len(want))) if i >= len(got) or i >= len(want) or got[i] != want[i]))
+    what = names[diff] if diff < len(names) else f"offset of SaCall.{SaCall._fields_[diff - 5][0]}" \
+        if diff - 5 < len(SaCall._fields_) else "an extra SaCall field"
+    seen = got[diff] if diff < len(got) else "nothing"
+    expected = want[diff] if diff < len(want) else "nothing"
+    raise CpuKernelUnavailable(
+        f"{path} does not match this package's C contract: {what} is {seen} in the library, {expected} in "
+        f"cpu_build.SaCall / kernels._common. Fix: keep csrc/skip_attn_cpu.cpp's struct SaCall, cpu_build.SaCall "
+        f"and the tile sizes in step (bump ABI_VERSION and kAbiVersion together), then delete {path} so it rebuilds")
+
+
 def _open(path: Path, isa: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     if lib.sa_abi_version() != ABI_VERSION:
-        raise CpuKernelUnavailable(f"{path} has ABI {lib.sa_abi_version()}, expected {ABI_VERSION}; delete it")
+        raise CpuKernelUnavailable(f"{path} has ABI {lib.sa_abi_version()}, expected {ABI_VERSION}. Fix: delete it; "
+                                   f"the next use rebuilds it")
+    check_layout(lib, path)
     lib.sa_isa.restype = ctypes.c_char_p
     if lib.sa_isa().decode() != isa:
         raise CpuKernelUnavailable(f"{path} was built for {lib.sa_isa().decode()}, expected {isa}; delete it")

@@ -27,30 +27,6 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _KV_DTYPES = {**_DTYPES, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 
 
-class _Call(ctypes.Structure):
-    """Mirror of ``struct SaCall`` in csrc/skip_attn_cpu.cpp (same order, same C types)."""
-
-    _fields_ = [
-        ("abi", ctypes.c_int32), ("dtype", ctypes.c_int32), ("kv_dtype", ctypes.c_int32),
-        ("num_seqs", ctypes.c_int32), ("num_q_heads", ctypes.c_int32), ("num_kv_heads", ctypes.c_int32),
-        ("head_dim", ctypes.c_int32), ("page_size", ctypes.c_int32),
-        ("causal", ctypes.c_int32), ("window", ctypes.c_int32), ("split_tiles", ctypes.c_int32),
-        ("num_threads", ctypes.c_int32), ("num_counts", ctypes.c_int32), ("bt_is64", ctypes.c_int32),
-        ("sl_is64", ctypes.c_int32), ("qsl_is64", ctypes.c_int32),
-        ("scale", ctypes.c_float), ("soft_cap", ctypes.c_float), ("v_scale", ctypes.c_float),
-        ("q", ctypes.c_void_p), ("q_st", ctypes.c_int64), ("q_sh", ctypes.c_int64), ("q_sd", ctypes.c_int64),
-        ("out", ctypes.c_void_p), ("o_st", ctypes.c_int64), ("o_sh", ctypes.c_int64), ("o_sd", ctypes.c_int64),
-        ("k", ctypes.c_void_p), ("k_sb", ctypes.c_int64), ("k_st", ctypes.c_int64), ("k_sh", ctypes.c_int64),
-        ("k_sd", ctypes.c_int64),
-        ("v", ctypes.c_void_p), ("v_sb", ctypes.c_int64), ("v_st", ctypes.c_int64), ("v_sh", ctypes.c_int64),
-        ("v_sd", ctypes.c_int64),
-        ("bt", ctypes.c_void_p), ("bt_s0", ctypes.c_int64), ("bt_s1", ctypes.c_int64),
-        ("seq_lens", ctypes.c_void_p), ("qsl", ctypes.c_void_p), ("sl_s", ctypes.c_int64), ("qsl_s", ctypes.c_int64),
-        ("lam", ctypes.c_void_p), ("count_lam", ctypes.c_void_p),
-        ("sink_logits", ctypes.c_void_p), ("skipped", ctypes.c_void_p), ("visited", ctypes.c_void_p),
-    ]
-
-
 @dataclass(frozen=True)
 class Status:
     """Whether the compiled kernel serves in this process: ``available``, and either its
@@ -194,6 +170,35 @@ def forward(
     if lib is None:
         require()
         lib = _state["lib"]
+    call = make_call(batch, spec, threshold=threshold, count_thresholds=count_thresholds, out=out, split_k=split_k)
+    rc = lib.sa_forward(ctypes.byref(call.c))
+    if rc in (cpu_build.BAD_BLOCK_ID, cpu_build.BAD_BLOCK_TABLE):
+        # The library refused before reading anything; the checks say where (every argument
+        # was validated unless check=False, so this is the caller's unchecked batch).
+        from .checks import block_table_error
+
+        block_table_error(batch)
+    if rc:
+        raise RuntimeError(f"sparse_attn CPU kernel failed (code {rc}: {cpu_build.RETURN_CODES.get(rc, 'unknown')})")
+    if count_thresholds is None:
+        return out, None, None
+    return out, call.skipped, call.visited
+
+
+@dataclass
+class Call:
+    """One ``sa_forward`` argument block (``c``) and the tensors it points into, which must
+    outlive the call: the counts it adds to and the host copies it reads."""
+
+    c: cpu_build.SaCall
+    skipped: torch.Tensor
+    visited: torch.Tensor
+    keep: tuple
+
+
+def make_call(batch: PagedBatch, spec: LayerSpec, *, threshold: torch.Tensor, count_thresholds: torch.Tensor | None,
+              out: torch.Tensor, split_k: int = SPLIT_K) -> Call:
+    """The ``SaCall`` of :func:`forward`'s arguments (pointers into the batch's own tensors)."""
     query, key_cache, value_cache, block_table = batch.query, batch.key_cache, batch.value_cache, batch.block_table
     num_seqs, hq = batch.num_seqs, batch.num_q_heads
     # The lengths are read from the batch's own CPU tensors (meta is their host copy).
@@ -208,7 +213,7 @@ def forward(
     sinks_f32 = None if sinks is None else sinks.detach().to("cpu", torch.float32).contiguous()
     # CPU tensors only reach this backend, so reading a tensor scale is no device sync.
     k_scale, v_scale = float(spec.k_scale), float(spec.v_scale)
-    c = _Call()
+    c = cpu_build.SaCall()
     c.abi = cpu_build.ABI_VERSION
     c.dtype = _DTYPES[query.dtype]
     c.kv_dtype = _KV_DTYPES[key_cache.dtype]
@@ -218,6 +223,7 @@ def forward(
     c.split_tiles, c.num_threads = split_k // TILE_K, torch.get_num_threads()
     c.num_counts, c.bt_is64 = n_counts, int(bt.dtype == torch.int64)
     c.sl_is64, c.qsl_is64 = int(seq_lens.dtype == torch.int64), int(qsl.dtype == torch.int64)
+    c.num_blocks, c.bt_cols = key_cache.shape[0], bt.shape[1]
     c.scale, c.soft_cap, c.v_scale = float(spec.scale) * k_scale, float(spec.soft_cap or 0.0), v_scale
     c.q = query.data_ptr()
     c.q_st, c.q_sh, c.q_sd = query.stride()
@@ -236,13 +242,7 @@ def forward(
     c.sink_logits = None if sinks_f32 is None else sinks_f32.data_ptr()
     c.skipped = skipped.data_ptr()
     c.visited = visited.data_ptr()
-    rc = lib.sa_forward(ctypes.byref(c))
-    if rc:
-        raise RuntimeError(f"sparse_attn CPU kernel failed (code {rc}: "
-                           f"{ {1: 'CPU lacks the ISA it was built for', 2: 'bad call', 3: 'out of memory'}.get(rc)})")
-    if count_thresholds is None:
-        return out, None, None
-    return out, skipped, visited
+    return Call(c, skipped, visited, (seq_lens, qsl, lam, count_lam, bt, sinks_f32))
 
 
 def _index_tensor(t: torch.Tensor) -> torch.Tensor:

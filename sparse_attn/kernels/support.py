@@ -29,9 +29,27 @@ FP8_KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 SERVED = {"window": True, "soft_cap": True, "sink_logits": True, "fp8_kv_cache": True}
 
 
-def unsupported(features: Any) -> tuple[str, ...]:
-    """The features of a layer that the kernels do not serve, one phrase each; empty = servable."""
+#: Query dtypes every kernel computes in (fp32 accumulation).
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: The Triton kernel's padded head sizes (``BLOCK_D``: the head size rounded up to a power of
+#: two, at least 64), one tile configuration each (``triton_impl.TILE_CONFIGS`` is checked
+#: against this at import): head sizes above the last are refused on a GPU.
+TRITON_BLOCK_D = (64, 128, 256)
+
+
+def unsupported(features: Any, *, head_size: int | None = None, dtype: torch.dtype | None = None,
+                device: str | None = None) -> tuple[str, ...]:
+    """The features of a layer that the kernels do not serve, one phrase each; empty = servable.
+
+    With ``head_size`` / ``dtype`` (the query's) / ``device`` (``"cpu"`` or a GPU type such as
+    ``"cuda"``) also the kernels' own limits there: on CPU the torch kernel takes every head
+    size (the compiled one, multiples of 8, falls back to it), on a GPU the Triton kernel takes
+    head sizes up to ``TRITON_BLOCK_D[-1]``; every kernel computes in ``KERNEL_DTYPES``."""
     reasons = []
+    if dtype is not None and dtype not in KERNEL_DTYPES:
+        reasons.append(f"query dtype {dtype} (the kernels compute in {', '.join(map(str, KERNEL_DTYPES))})")
+    if device is not None and device != "cpu" and head_size is not None and head_size > TRITON_BLOCK_D[-1]:
+        reasons.append(f"head size {head_size} on {device} (the Triton kernel takes head sizes <= {TRITON_BLOCK_D[-1]})")
     if features.sliding_window is not None and not SERVED["window"]:
         reasons.append(f"sliding window {features.sliding_window}")
     if features.logits_soft_cap is not None and not SERVED["soft_cap"]:
@@ -53,16 +71,18 @@ def unsupported(features: Any) -> tuple[str, ...]:
 
 
 def spec_for(features: Any, *, scale: float, sink_logits: torch.Tensor | None = None,
-             k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0) -> LayerSpec:
+             k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0,
+             head_size: int | None = None, dtype: torch.dtype | None = None, device: str | None = None) -> LayerSpec:
     """The :class:`LayerSpec` of a decoder layer with ``features`` (build it once per layer).
 
     ``scale``: the layer's softmax scale; ``sink_logits``: its ``[num_heads]`` sinks (a
     device tensor; required when ``features.has_sinks``); ``k_scale`` / ``v_scale``: its
     fp8 cache scales (floats or 1-element device tensors vLLM updates in place; used only
-    for an fp8 cache, where the cache views carry the fp8 dtype).  Raises ``ValueError``
-    for a layer :func:`unsupported` refuses, naming what it has.
+    for an fp8 cache, where the cache views carry the fp8 dtype); ``head_size`` / ``dtype`` /
+    ``device`` as :func:`unsupported`.  Raises ``ValueError`` for a layer :func:`unsupported`
+    refuses, naming what it has (the plugin keeps such a layer native with that reason).
     """
-    refused = unsupported(features)
+    refused = unsupported(features, head_size=head_size, dtype=dtype, device=device)
     if refused:
         raise ValueError(f"sparse_attn.kernels.spec_for: the kernels do not serve {', '.join(refused)}; "
                          "expected a layer that kernels.support.unsupported() accepts (keep it on native attention)")

@@ -122,6 +122,8 @@ class _Group:
         self.seqs, self.n_walk = seqs, [walk[s][1] for s in seqs]
         self.threshold = _group_lambdas(threshold, seqs)
         self.lams = None if lams is None else lams[:, seqs]                     # [n, B]
+        # Visited tiles count only for a sequence some counted lambda can skip in (_common).
+        self.count_visited = None if lams is None else (self.lams > 0).any(0)   # [B]
         # Serving with lambda = 0 for every sequence and no counts: nothing can be skipped,
         # so the skip test (tile maxima, dense running max, ratios) is not evaluated at all.
         self.test = lams is not None or isinstance(self.threshold, torch.Tensor) or self.threshold > 0
@@ -270,7 +272,9 @@ class _Group:
             else:
                 sparse_pv_units(s, active, self.m_ref.view(-1, rows), self.acc.view(-1, rows, d),
                                 self.l_sum.view(-1, rows), self.v_reader.read(v_plan, 0, 1), u_lo, self.units_all)
-        return t0 + c, vis.sum()
+        if self.count_visited is None:
+            return t0 + c, vis.sum()
+        return t0 + c, (vis & self.count_visited[:b, None, None]).sum()
 
     def _mask(self, s, b, t0, n_cols, qt_lo, qt_hi):
         """-inf where a row does not see a column: past its position (causal) or before its
@@ -348,7 +352,8 @@ class _Group:
             o = self.acc * (alpha / (self.l_sum * alpha + torch.exp(sink - m_fin))).unsqueeze(-1)
         else:
             o = self.acc / self.l_sum.unsqueeze(-1)
-            o = torch.where(self.l_sum.unsqueeze(-1) > 0, o, 0.0)
+            # A row that sees nothing (l = 0) is 0; a NaN l stays NaN (the NaN policy, _common).
+            o = torch.where(self.l_sum.unsqueeze(-1) == 0, 0.0, o)
         if isinstance(v_scale, torch.Tensor) or v_scale != 1.0:
             o = o * v_scale
         o = o.view(hkv, b_all, nq, g, rows, d).permute(1, 2, 4, 0, 3, 5).reshape(b_all, nq * rows, -1, d)

@@ -30,14 +30,18 @@ meta tensors to prove it.
 
 from __future__ import annotations
 
+import inspect
 import os
+import struct
 from dataclasses import dataclass, field
 
 import torch
 
+from . import support
 from ._common import SPLIT_K, TILE_K, TILE_Q, next_pow2
-from .batch import BatchMeta, LayerSpec, PagedBatch
-from .triton_kernels import merge_splits_kernel, paged_attn_kernel
+from .batch import COUNTER_SLOTS, BatchMeta, LayerSpec, PagedBatch
+from .rule import LambdaRule
+from .triton_kernels import MERGE_DO_NOT_SPECIALIZE, PAGED_DO_NOT_SPECIALIZE, merge_splits_kernel, paged_attn_kernel
 
 @dataclass(frozen=True)
 class TileConfig:
@@ -80,6 +84,11 @@ TILE_CONFIGS: dict[tuple[int, torch.dtype, str], TileConfig] = {
 }
 
 
+# The one table of what the Triton kernel takes (kernels.support) and the configurations agree.
+assert set(TILE_CONFIGS) == {(d, t, p) for d in support.TRITON_BLOCK_D for t in support.KERNEL_DTYPES
+                             for p in ("decode", "prefill")}, "TILE_CONFIGS vs kernels.support"
+
+
 def tile_config(head_dim: int, dtype: torch.dtype, phase: str) -> TileConfig:
     """The :data:`TILE_CONFIGS` entry for ``head_dim`` (head sizes <= 64 use the 64 row)."""
     block_d = max(64, next_pow2(head_dim))
@@ -110,6 +119,10 @@ def kv_programs(num_seqs: int, head_programs: int, max_kv: int, split_k: int, wi
         n_splits = min(n_splits, -(-(window + TILE_K) // split_k) + 1)
     want = -(-TARGET_PROGRAMS // max(1, num_seqs * head_programs))
     return max(1, min(n_splits, want, MAX_KV_PROGRAMS))
+
+
+#: :mod:`.api`: this backend adds a launch's counts to a counter tensor itself (atomics).
+COUNTS_IN_KERNEL = True
 
 
 def _interpreting() -> bool:
@@ -201,13 +214,20 @@ def grid_for(batch: PagedBatch, spec: LayerSpec, meta: BatchMeta | None, split_k
     return Grid(phase, cfg, slots, head_chunks, kv_progs, heads, block_m, max(16, next_pow2(d)))
 
 
-def buffers_for(batch: PagedBatch, grid: Grid, n_thr: int) -> dict[str, torch.Tensor]:
+def buffers_for(batch: PagedBatch, grid: Grid, n_thr: int, meta: BatchMeta | None = None) -> dict[str, torch.Tensor]:
     """Per-program arrays (query tile -> sequence, first row) on the device, and the
-    partial / count buffers, each sized by the grid alone."""
+    partial / count buffers, each sized by the grid alone.  Decode needs no per-program
+    arrays (program ``s`` is sequence ``s``) and serving without candidate counts no count
+    buffers: those are 1-element allocations the kernel never reads (no kernel launch).
+    The prefill tile map depends on the lengths alone: kept in ``meta.memo``, so the layers
+    of a step that share one host copy build it once."""
     dev, n_seqs, hq = batch.query.device, batch.num_seqs, batch.num_q_heads
     f32, i32 = dict(dtype=torch.float32, device=dev), dict(dtype=torch.int32, device=dev)
+    memo_key = ("tile map", grid.block_m, grid.slots)
     if grid.phase == "decode":
-        tile_seq, tile_row0 = torch.arange(n_seqs, **i32), torch.zeros(n_seqs, **i32)
+        tile_seq = tile_row0 = torch.empty(1, **i32)
+    elif meta is not None and memo_key in meta.memo:      # built by an earlier layer of this step
+        tile_seq, tile_row0 = meta.memo[memo_key]
     else:
         # Tiles per sequence, their cumulative sum, and for each program slot the sequence
         # whose tiles cover it (S = a surplus slot, which does nothing).
@@ -219,10 +239,15 @@ def buffers_for(batch: PagedBatch, grid: Grid, n_thr: int) -> dict[str, torch.Te
         first_tile = (cum - tiles)[seq.clamp(max=n_seqs - 1)]
         tile_row0 = ((slot - first_tile) * grid.block_m).to(torch.int32)
         tile_seq = seq.to(torch.int32)
+        if meta is not None:
+            meta.memo[memo_key] = (tile_seq, tile_row0)
     block_t = max(2, next_pow2(max(n_thr, 1)))
-    cnt_shape = (grid.slots, grid.kv_progs) if n_thr else (1, 1)
-    bufs = dict(TILE_SEQ=tile_seq, TILE_ROW0=tile_row0,
-                SKIP_CNT=torch.zeros(*cnt_shape, hq, block_t, **i32), VIS_CNT=torch.zeros(*cnt_shape, hq, **i32))
+    if n_thr:
+        skip_cnt = torch.zeros(grid.slots, grid.kv_progs, hq, block_t, **i32)
+        vis_cnt = torch.zeros(grid.slots, grid.kv_progs, hq, **i32)
+    else:
+        skip_cnt = vis_cnt = torch.empty(1, **i32)
+    bufs = dict(TILE_SEQ=tile_seq, TILE_ROW0=tile_row0, SKIP_CNT=skip_cnt, VIS_CNT=vis_cnt, BLOCK_T=block_t)
     if grid.split:
         part = (grid.slots, grid.kv_progs, hq)
         bufs.update(O_PART=torch.empty(*part, grid.block_d, **f32), M_PART=torch.empty(*part, **f32),
@@ -232,30 +257,59 @@ def buffers_for(batch: PagedBatch, grid: Grid, n_thr: int) -> dict[str, torch.Te
     return bufs
 
 
+def f64_parts(value: float) -> tuple[float, float, float]:
+    """Three fp32 numbers whose fp64 sum is ``value`` exactly (each part the fp32 rounding of
+    what the ones before left): a float64 kernel argument, which Triton does not have (a Python
+    float arrives as fp32)."""
+    parts = []
+    rest = float(value)
+    for _ in range(3):
+        part = struct.unpack("f", struct.pack("f", rest))[0]
+        parts.append(part)
+        rest -= part
+    return tuple(parts)
+
+
 def prepare(
     batch: PagedBatch,
     spec: LayerSpec,
     meta: BatchMeta | None,
     *,
-    threshold: torch.Tensor,
+    threshold: torch.Tensor | LambdaRule,
     count_thresholds: torch.Tensor | None,
     out: torch.Tensor,
     split_k: int = SPLIT_K,
+    counters: torch.Tensor | None = None,
 ) -> Plan:
     """Grid, tensor arguments and constexprs of one forward; launches nothing.
 
-    ``threshold``: float32 ``[S]`` on the device; ``count_thresholds``: float32 ``[n, S]``
-    or ``None``.  Reads no device data on the host (``meta=None``: upper-bound grid)."""
+    ``threshold``: float32 ``[S]`` on the device, or a :class:`LambdaRule` the kernel
+    evaluates per sequence; ``count_thresholds``: float32 ``[n, S]`` or ``None``;
+    ``counters``: int64 counter tensor the kernel adds its counts into
+    (:data:`batch.COUNTER_SLOTS`), or ``None``.  Reads no device data on the host
+    (``meta=None``: upper-bound grid); with a rule and ``counters`` a decode launch runs no
+    torch op at all (allocations only)."""
     query, dev, n_seqs, hq = batch.query, batch.query.device, batch.num_seqs, batch.num_q_heads
     grid = grid_for(batch, spec, meta, split_k)
     counting = count_thresholds is not None
     n_thr = count_thresholds.shape[0] if counting else 0
-    bufs = buffers_for(batch, grid, n_thr)
-    block_t = bufs["SKIP_CNT"].shape[-1]
-    # Per-sequence lambdas live in device arrays (pointers): new values never recompile.
-    thresh = torch.full((n_seqs, block_t), -1.0, dtype=torch.float32, device=dev)
-    if n_thr:
+    bufs = buffers_for(batch, grid, n_thr, meta)
+    block_t = bufs.pop("BLOCK_T")
+    # Per-sequence lambdas live in device arrays (pointers) or come from the rule's scalars:
+    # new values never recompile.
+    if counting:
+        thresh = torch.full((n_seqs, block_t), -1.0, dtype=torch.float32, device=dev)
         thresh[:, :n_thr] = count_thresholds.T.to(dev, torch.float32)
+    else:
+        thresh = bufs["L_PART"]                        # unused pointer
+    rule = isinstance(threshold, LambdaRule)
+    if rule:
+        lam, lam_parts, lam_window = bufs["L_PART"], f64_parts(threshold.scale_factor), int(threshold.window or 0)
+    else:
+        lam, lam_parts, lam_window = threshold, (0.0, 0.0, 0.0), 0
+    accumulate = counters is not None
+    if not accumulate:
+        counters = torch.empty(1, dtype=torch.int64, device=dev)   # unused pointer
     # Scales: host floats fold into the logit scale / multiply the output; tensors stay on
     # the device and are read by the kernels (a captured graph sees in-place updates).
     scale_ptrs = isinstance(spec.k_scale, torch.Tensor) or isinstance(spec.v_scale, torch.Tensor)
@@ -272,21 +326,25 @@ def prepare(
 
     plan = Plan(grid, out=out, skip_cnt=bufs["SKIP_CNT"] if counting else None,
                 vis_cnt=bufs["VIS_CNT"] if counting else None, n_thr=n_thr)
-    plan.scratch_bytes = sum(t.numel() * t.element_size() for t in bufs.values()) + thresh.numel() * 4
+    plan.scratch_bytes = sum(t.numel() * t.element_size() for t in bufs.values()) + \
+        (thresh.numel() * 4 if counting else 0)
     cfg = grid.config
     plan.calls.append(KernelCall(
         paged_attn_kernel, (grid.slots, batch.num_kv_heads * grid.head_chunks, grid.kv_progs),
         (query, batch.key_cache, batch.value_cache, out, batch.block_table, batch.seq_lens, batch.query_start_loc,
-         bufs["TILE_SEQ"], bufs["TILE_ROW0"], threshold, thresh, bufs["SKIP_CNT"], bufs["VIS_CNT"],
-         bufs["O_PART"], bufs["M_PART"], bufs["L_PART"], sinks, k_scale, v_scale,
+         bufs["TILE_SEQ"], bufs["TILE_ROW0"], lam, thresh, bufs["SKIP_CNT"], bufs["VIS_CNT"],
+         bufs["O_PART"], bufs["M_PART"], bufs["L_PART"], sinks, k_scale, v_scale, counters,
          scale, v_scale_f, float(cap or 1.0), int(window or 0), n_thr, batch.page_size, split_k // TILE_K, n_seqs,
-         hq, *query.stride(), *batch.key_cache.stride(), *batch.value_cache.stride(), *out.stride(),
-         *batch.block_table.stride()),
+         hq, *lam_parts, lam_window, *query.stride(), *batch.key_cache.stride(), *batch.value_cache.stride(),
+         *out.stride(), *batch.block_table.stride()),
         dict(GROUP=batch.group, HEADS=grid.heads, HEAD_DIM=batch.head_dim, BLOCK_D=grid.block_d,
              BLOCK_M=grid.block_m, BLOCK_N=TILE_K, BLOCK_T=block_t, CAUSAL=bool(spec.causal),
              WINDOW=window is not None, SOFT_CAP=cap is not None, HAS_SINKS=spec.sink_logits is not None,
              SCALE_PTRS=scale_ptrs, COUNT=counting, SPLIT=grid.split,
              FP32_DOT=query.dtype == torch.float32 or _interpreting(),
+             TILE_MAP=grid.phase != "decode", LAM_RULE=rule, ACCUMULATE=accumulate,
+             SLOT_SKIPPED=COUNTER_SLOTS["skipped"], SLOT_VISITED=COUNTER_SLOTS["visited"],
+             SLOT_LAUNCHES=COUNTER_SLOTS["launches"], SLOT_DENSE=COUNTER_SLOTS["dense_launches"],
              num_warps=cfg.num_warps, num_stages=cfg.num_stages)))
     if grid.split:
         plan.calls.append(KernelCall(
@@ -298,9 +356,33 @@ def prepare(
     return plan
 
 
+#: Every kernel variant launched in this process (:func:`variant_key`): Triton compiles one
+#: per key, so a key first seen inside a served forward is a compile on live traffic.
+LAUNCHED_VARIANTS: set[tuple] = set()
+_NOT_SPECIALISED = {paged_attn_kernel: set(PAGED_DO_NOT_SPECIALIZE), merge_splits_kernel: set(MERGE_DO_NOT_SPECIALIZE)}
+
+
+def variant_key(call: KernelCall) -> tuple:
+    """What Triton specialises a launch on, by its rules: the constexprs, each tensor argument's
+    dtype and 16-byte alignment, and each int's ``== 1`` / divisibility by 16, except the
+    arguments the kernel marks ``do_not_specialize``."""
+    names = list(inspect.signature(call.kernel.fn).parameters)
+    skip = _NOT_SPECIALISED[call.kernel]
+    parts = []
+    for name, arg in zip(names, call.args):
+        if isinstance(arg, torch.Tensor):
+            parts.append((name, arg.dtype, None if name in skip else arg.data_ptr() % 16 == 0))
+        elif isinstance(arg, int) and not isinstance(arg, bool) and name not in skip:
+            parts.append((name, arg == 1, arg % 16 == 0))
+        else:
+            parts.append((name, type(arg).__name__))
+    return (call.kernel.fn.__name__, tuple(parts), tuple(sorted(call.constexprs.items())))
+
+
 def launch(plan: Plan) -> None:
     """Run the prepared kernels (the only step that touches Triton)."""
     for call in plan.calls:
+        LAUNCHED_VARIANTS.add(variant_key(call))
         call.kernel[call.grid](*call.args, **call.constexprs)
 
 

@@ -26,6 +26,13 @@ import triton.language as tl
 
 
 @triton.jit
+def _max_nan(a, b):
+    """Maximum that is NaN when either operand is (``tl.max`` / ``tl.maximum`` drop NaN):
+    the NaN policy of :mod:`sparse_attn.kernels._common`."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _logits(q, k, qk_scale, soft_cap, SOFT_CAP: tl.constexpr, FP32_DOT: tl.constexpr):
     """``[rows, BLOCK_N]`` logits of a K tile ``k`` [BLOCK_D, BLOCK_N] (any cache dtype)."""
     if FP32_DOT:
@@ -43,10 +50,55 @@ def _logits(q, k, qk_scale, soft_cap, SOFT_CAP: tl.constexpr, FP32_DOT: tl.const
 
 
 @triton.jit
+def _rule_lambda(kv_len, lam_hi, lam_mid, lam_lo, lam_window):
+    """``kernels.checks.effective_lambda`` of KV lengths ``kv_len`` (a scalar or a block), in
+    float64 exactly as its device form: the scale factor arrives as three fp32 parts whose
+    fp64 sum is the host double (:func:`triton_impl.f64_parts`), ``scale * (1 / norm)`` as
+    torch's ``scalar / tensor`` computes it, dense (0) where lambda is not in (0, 1)."""
+    norm = tl.cast(kv_len, tl.float64)
+    norm = tl.where(lam_window > 0, tl.minimum(norm, tl.cast(lam_window, tl.float64)), norm)
+    factor = (tl.cast(lam_hi, tl.float64) + tl.cast(lam_mid, tl.float64)) + tl.cast(lam_lo, tl.float64)
+    lam = factor * (1.0 / norm)
+    return tl.where((lam > 0) & (lam < 1), lam, 0.0).to(tl.float32)
+
+
+@triton.jit
+def _count_launch(COUNTERS, SEQ_LENS, QSL, LAM, num_seqs, lam_hi, lam_mid, lam_lo, lam_window,
+                  LAM_RULE: tl.constexpr, SLOT_LAUNCHES: tl.constexpr, SLOT_DENSE: tl.constexpr):
+    """One program of the launch adds it as sparse (some sequence with query rows has
+    lambda > 0) or dense to ``COUNTERS``."""
+    offs = tl.arange(0, 128)
+    sparse = tl.zeros([128], tl.int32)
+    for s0 in range(0, num_seqs, 128):
+        s = s0 + offs
+        ok = s < num_seqs
+        q_len = tl.load(QSL + s + 1, mask=ok, other=0) - tl.load(QSL + s, mask=ok, other=0)
+        if LAM_RULE:
+            lam = _rule_lambda(tl.load(SEQ_LENS + s, mask=ok, other=0), lam_hi, lam_mid, lam_lo, lam_window)
+        else:
+            lam = tl.load(LAM + s, mask=ok, other=0.0)
+        sparse = tl.maximum(sparse, ((lam > 0) & (q_len > 0) & ok).to(tl.int32))
+    any_sparse = tl.max(sparse, 0).to(tl.int64)
+    tl.atomic_add(COUNTERS + SLOT_LAUNCHES, any_sparse)
+    tl.atomic_add(COUNTERS + SLOT_DENSE, 1 - any_sparse)
+
+
+#: Arguments Triton must not specialise on (== 1, divisible by 16, a pointer's alignment): the
+#: ints that change with the batch, and those the install warm-up cannot know before vLLM
+#: allocates the cache (page size, block and table strides; the block table and length arrays,
+#: which are views at any offset). So a new batch never compiles a variant on live traffic; the
+#: head counts and the head/dim strides stay specialised (fixed per model, they vectorise loads).
+PAGED_DO_NOT_SPECIALIZE = ("BT", "SEQ_LENS", "QSL", "num_thresh", "num_seqs", "page_size", "stride_kb", "stride_vb",
+                           "stride_bts")
+MERGE_DO_NOT_SPECIALIZE = ("QSL", "num_progs")
+
+
+@triton.jit(do_not_specialize=list(PAGED_DO_NOT_SPECIALIZE))
 def paged_attn_kernel(
     Q, K, V, O, BT, SEQ_LENS, QSL, TILE_SEQ, TILE_ROW0,
-    LAM, THRESH, SKIP_CNT, VIS_CNT, O_PART, M_PART, L_PART, SINKS, K_SCALE, V_SCALE,
+    LAM, THRESH, SKIP_CNT, VIS_CNT, O_PART, M_PART, L_PART, SINKS, K_SCALE, V_SCALE, COUNTERS,
     scale, v_scale, soft_cap, window, num_thresh, page_size, tiles_per_split, num_seqs, num_q_heads,
+    lam_hi, lam_mid, lam_lo, lam_window,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kp, stride_kh, stride_kd,
     stride_vb, stride_vp, stride_vh, stride_vd,
@@ -56,6 +108,8 @@ def paged_attn_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     SCALE_PTRS: tl.constexpr, COUNT: tl.constexpr, SPLIT: tl.constexpr, FP32_DOT: tl.constexpr,
+    TILE_MAP: tl.constexpr, LAM_RULE: tl.constexpr, ACCUMULATE: tl.constexpr,
+    SLOT_SKIPPED: tl.constexpr, SLOT_VISITED: tl.constexpr, SLOT_LAUNCHES: tl.constexpr, SLOT_DENSE: tl.constexpr,
 ):
     N_HCHUNKS: tl.constexpr = (GROUP + HEADS - 1) // HEADS
     ROWS: tl.constexpr = HEADS * BLOCK_M
@@ -65,10 +119,14 @@ def paged_attn_kernel(
     sp = tl.program_id(2)
     n_progs = tl.num_programs(2)
 
-    seq_raw = tl.load(TILE_SEQ + pid)
+    if TILE_MAP:
+        seq_raw = tl.load(TILE_SEQ + pid)
+        row0 = tl.load(TILE_ROW0 + pid)
+    else:                                                  # decode: program pid is sequence pid, row 0
+        seq_raw = pid
+        row0 = 0
     live = seq_raw < num_seqs                              # surplus programs (upper-bound grid) do nothing
     seq = tl.minimum(seq_raw, num_seqs - 1).to(tl.int64)
-    row0 = tl.load(TILE_ROW0 + pid)
     q_start = tl.load(QSL + seq)
     q_len = tl.where(live, tl.load(QSL + seq + 1) - q_start, 0)
     kv_len = tl.load(SEQ_LENS + seq)
@@ -129,10 +187,14 @@ def paged_attn_kernel(
     l_sum = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
     offs_t = tl.arange(0, BLOCK_T)
-    lam_s = tl.load(LAM + seq)
+    if LAM_RULE:
+        lam_s = _rule_lambda(kv_len, lam_hi, lam_mid, lam_lo, lam_window)
+    else:
+        lam_s = tl.load(LAM + seq)
     if COUNT:
         thresh = tl.load(THRESH + seq * BLOCK_T + offs_t, mask=offs_t < num_thresh, other=-1.0)
     skip_cnt = tl.zeros([HEADS, BLOCK_T], tl.int32)
+    skip_h = tl.zeros([HEADS], tl.int32)                   # ACCUMULATE: tiles each head skipped
 
     # The anchor's maxima seed the dense running max, and every later split restarts from
     # them (the rule).  A program that does not start at the anchor (a windowed one, or a
@@ -148,7 +210,7 @@ def paged_attn_kernel(
                          + offs_d[:, None] * stride_kd, mask=col0_ok[None, :] & d_ok[:, None], other=0.0)
             s0 = _logits(q, k0, qk_scale, soft_cap, SOFT_CAP, FP32_DOT)
             seen0 = col0_ok[None, :] & (cols0[None, :] <= limit[:, None]) & (cols0[None, :] >= lo[:, None])
-            m_seed = tl.max(tl.where(seen0, s0, float("-inf")), 1)
+            m_seed = tl.reduce(tl.where(seen0, s0, float("-inf")), 1, _max_nan)
     m_dense = m_seed
 
     for t in range(t_lo, t_hi):
@@ -161,7 +223,7 @@ def paged_attn_kernel(
         s = _logits(q, k, qk_scale, soft_cap, SOFT_CAP, FP32_DOT)
         seen = col_ok[None, :] & (cols[None, :] <= limit[:, None]) & (cols[None, :] >= lo[:, None])
         s = tl.where(seen, s, float("-inf"))
-        tile_max = tl.max(s, 1)
+        tile_max = tl.reduce(s, 1, _max_nan)                 # NaN policy: a NaN logit reaches the ratio
         m_seed = tl.where(t == anchor, tile_max, m_seed)
         # The rule's dense running max restarts from the anchor's maxima at every split
         # boundary after the anchor; the anchor itself is never skippable (+inf).
@@ -172,12 +234,14 @@ def paged_attn_kernel(
         e = tl.exp(tile_max - tl.where(no_max, 0.0, m_dense))
         e = tl.where(tile_max == float("-inf"), 0.0, tl.where(no_max, float("inf"), e))
         ratio = tl.where(row_ok, e, 0.0)
-        ratio_h = tl.max(tl.where(same_head, ratio[None, :], 0.0), 1)             # [HEADS]
+        ratio_h = tl.reduce(tl.where(same_head, ratio[None, :], 0.0), 1, _max_nan)  # [HEADS]
         ratio_h = tl.where(t == anchor, float("inf"), ratio_h)
-        m_dense = tl.maximum(m_dense, tile_max)
+        m_dense = _max_nan(m_dense, tile_max)
         if COUNT:
             skip_cnt += ((ratio_h[:, None] < thresh[None, :]) & prog_head_ok[:, None]).to(tl.int32)
-        keep_h = (ratio_h >= lam_s) & prog_head_ok
+        if ACCUMULATE:
+            skip_h += ((ratio_h < lam_s) & prog_head_ok).to(tl.int32)
+        keep_h = ~(ratio_h < lam_s) & prog_head_ok                                # a NaN ratio keeps the tile
         if tl.max(keep_h.to(tl.int32), 0) > 0:
             keep = tl.max(tl.where(same_head & keep_h[:, None], 1, 0), 0) > 0          # [ROWS]
             m_new = tl.where(keep, tl.maximum(m_ref, tile_max), m_ref)
@@ -220,10 +284,21 @@ def paged_attn_kernel(
     if COUNT:
         cnt_heads = ((pid * n_progs + sp) * num_q_heads + kv_head * GROUP + h_lo + prog_heads).to(tl.int64)
         tl.store(SKIP_CNT + cnt_heads[:, None] * BLOCK_T + offs_t[None, :], skip_cnt, mask=prog_head_ok[:, None])
-        tl.store(VIS_CNT + cnt_heads, tl.zeros([HEADS], tl.int32) + tl.maximum(t_hi - t_lo, 0), mask=prog_head_ok)
+        # Visited tiles count only for a sequence some counted lambda can skip in (_common).
+        n_vis = tl.where(tl.max(thresh, 0) > 0, tl.maximum(t_hi - t_lo, 0), 0)
+        tl.store(VIS_CNT + cnt_heads, tl.zeros([HEADS], tl.int32) + n_vis, mask=prog_head_ok)
+    if ACCUMULATE:
+        # Straight into the stats' persistent counter: tiles of sequences with lambda > 0 only.
+        if lam_s > 0:
+            n_heads = tl.sum(prog_head_ok.to(tl.int32), 0)
+            tl.atomic_add(COUNTERS + SLOT_SKIPPED, tl.sum(skip_h, 0).to(tl.int64))
+            tl.atomic_add(COUNTERS + SLOT_VISITED, (n_heads * tl.maximum(t_hi - t_lo, 0)).to(tl.int64))
+        if (pid == 0) & (tl.program_id(1) == 0) & (sp == 0):
+            _count_launch(COUNTERS, SEQ_LENS, QSL, LAM, num_seqs, lam_hi, lam_mid, lam_lo, lam_window,
+                          LAM_RULE, SLOT_LAUNCHES, SLOT_DENSE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=list(MERGE_DO_NOT_SPECIALIZE))
 def merge_splits_kernel(
     O_PART, M_PART, L_PART, O, QSL, SINKS, V_SCALE, v_scale, num_progs, num_q_heads,
     stride_ot, stride_oh, stride_od,

@@ -132,8 +132,11 @@ def reference(batch, spec, lam=0.0, thresholds=(), split_k=SPLIT_K):
     text of ``sparse_attn/kernels/_common.py`` alone.
 
     ``spec`` is a :class:`LayerSpec` or a float (the softmax scale of a plain causal
-    layer).  Returns ``(out [T, Hq, D] float64, skipped [Hq] under lam, visited [Hq],
-    skipped_per_threshold [len(thresholds), Hq])``.
+    layer); ``lam`` a float or one per sequence; ``thresholds`` candidate lambdas (the same
+    for every sequence).  Returns ``(out [T, Hq, D] float64, skipped [Hq] under lam,
+    visited [Hq], skipped_per_threshold [len(thresholds), Hq])``; ``visited`` counts the
+    tiles of the sequences whose ``lam`` or some threshold is > 0 (one a tile can be
+    skipped under: what serving and calibration both count).
     """
     spec = spec if isinstance(spec, LayerSpec) else LayerSpec(float(spec))
     q, k, v, bt, seq_lens, qsl = (batch.query, batch.key_cache, batch.value_cache, batch.block_table,
@@ -147,11 +150,14 @@ def reference(batch, spec, lam=0.0, thresholds=(), split_k=SPLIT_K):
     skipped = torch.zeros(hq, dtype=torch.int64)
     visited = torch.zeros(hq, dtype=torch.int64)
     per_thr = torch.zeros(len(thresholds), hq, dtype=torch.int64)
+    lams = [float(x) for x in lam] if isinstance(lam, (list, tuple)) else [float(lam)] * len(seq_lens)
     for s in range(len(seq_lens)):
         n, a, b = int(seq_lens[s]), int(qsl[s]), int(qsl[s + 1])
         q_len = b - a
         if q_len == 0:
             continue
+        lam_s = lams[s]
+        counted = lam_s > 0 or any(thr > 0 for thr in thresholds)
         keys, vals = gather_seq(k, bt, s, n), gather_seq(v, bt, s, n) * _scale_value(spec.v_scale)
         qpos = torch.arange(n - q_len, n)
         cols = torch.arange(n)
@@ -176,7 +182,7 @@ def reference(batch, spec, lam=0.0, thresholds=(), split_k=SPLIT_K):
                 for t in range(first, last + 1):
                     c0, c1 = t * TILE_K, min(n, (t + 1) * TILE_K)
                     tmax = scores[r0:r1, c0:c1].amax(1)
-                    visited[h] += 1
+                    visited[h] += counted
                     if t > first and c0 % split_k == 0:               # a later split opens: the seed
                         m = seed.clone()
                     if t == anchor:
@@ -188,7 +194,7 @@ def reference(batch, spec, lam=0.0, thresholds=(), split_k=SPLIT_K):
                         ratio = e.max().item()
                     for j, thr in enumerate(thresholds):
                         per_thr[j, h] += ratio < thr
-                    if ratio < lam:
+                    if ratio < lam_s:
                         skipped[h] += 1
                     else:
                         keep[r0:r1, c0:c1] = True

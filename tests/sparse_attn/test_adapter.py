@@ -19,7 +19,7 @@ import torch
 import compat
 from compat import model as cmodel
 from sparse_attn.adapter import Policy, make_sparse
-from sparse_attn.kernels import PagedBatch
+from sparse_attn.kernels import LambdaRule, PagedBatch
 from sparse_attn.stats import WorkerStats
 
 B, N, HKV, HQ, D = 8, 32, 2, 4, 32
@@ -443,7 +443,7 @@ def test_uniform_decode_forward_reads_no_device_data(style, window, mode, monkey
     layer_info = dataclasses.replace(layer_info, features=cmodel.LayerFeatures(sliding_window=window))
     launches = []
 
-    def kernel(batch, spec, *, threshold, return_counts, out, check):
+    def kernel(batch, spec, *, threshold, out, check, counters):
         q, key_cache, value_cache, block_table = batch.query, batch.key_cache, batch.value_cache, batch.block_table
         seq_lens, query_start_loc, max_query_len, scale = batch.seq_lens, batch.query_start_loc, batch.max_query_len, spec.scale
         s = seq_lens.shape[0]
@@ -451,10 +451,14 @@ def test_uniform_decode_forward_reads_no_device_data(style, window, mode, monkey
         assert key_cache.shape == value_cache.shape == (B, N, HKV, D) and key_cache.dtype == torch.float16
         assert block_table.shape == (s, 2) and block_table.dtype == torch.int32
         assert query_start_loc.shape == (s + 1,) and seq_lens.dtype == torch.int32
-        assert threshold.shape == (s,) and threshold.dtype == torch.float32 and threshold.device == q.device
-        assert return_counts and check is False and max_query_len == 1 and scale == SCALE
+        if isinstance(threshold, LambdaRule):   # a GPU: the kernel computes the lambdas
+            assert q.device.type != "cpu" and threshold == LambdaRule(12.0, window)
+        else:                                   # CPU kernels take the rule's device form
+            assert threshold.shape == (s,) and threshold.dtype == torch.float32 and threshold.device == q.device
+        assert counters is stats.device_counts[("decode", str(q.device))], "the stats' persistent counter"
+        assert check is False and max_query_len == 1 and scale == SCALE
         launches.append(q.device.type)
-        return out, torch.zeros(HQ, dtype=torch.int64, device=q.device), torch.zeros(HQ, dtype=torch.int64, device=q.device)
+        return out
 
     monkeypatch.setattr(adapter, "paged_attention", kernel)
     stats = WorkerStats()

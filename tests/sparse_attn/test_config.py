@@ -21,6 +21,7 @@ from sparse_attn.config import (
     parse_sparse_attention_config,
     read_section,
 )
+from sparse_attn.kernels import effective_lambda, never_skips
 
 CANONICAL = {
     "config_groups": {
@@ -124,6 +125,22 @@ def test_threshold_is_scale_over_kv_len():
     assert cfg.scale_factor("prefill") == pytest.approx(7.93 * math.exp(8.61 * 0.5))
 
 
+@pytest.mark.parametrize("kv_len, window", [(100, None), (587, None), (588, None), (4096, 40), (30, 40),
+                                            (4096, 512)],
+                         ids=["kv100", "kv587", "kv588", "window40", "kv30-window40", "window512"])
+def test_threshold_is_the_lambda_serving_uses(kv_len, window):
+    """cfg.threshold is kernels.effective_lambda of the phase's scale factor, dense rule included:
+    0.0 where scale / normaliser >= 1 (the prefill scale is 7.93 exp(8.61 / 2) = 587.4)."""
+    cfg = parse_sparse_attention_config(_with_window_curve())
+    windowed = window is not None
+    scale = cfg.scale_factor("prefill", windowed=windowed)
+    norm = min(kv_len, window) if windowed else kv_len
+    expected = scale / norm if scale / norm < 1 else 0.0
+    assert cfg.threshold("prefill", kv_len, window=window) == pytest.approx(expected)
+    assert cfg.threshold("prefill", kv_len, window=window) == effective_lambda(scale, kv_len, window)
+    assert (expected == 0.0) == never_skips(scale, norm)
+
+
 def test_missing_phase_runs_dense_and_is_reported():
     obj = copy.deepcopy(CANONICAL)
     del obj["config_groups"]["group_0"]["threshold_scale_factor"]["decode"]
@@ -140,7 +157,7 @@ def test_missing_target_defaults_with_a_warning():
     del obj["config_groups"]["group_0"]["target_sparsity"]
     cfg = parse_sparse_attention_config(obj)
     assert cfg.effective_target("prefill") == DEFAULT_TARGET_SPARSITY
-    assert cfg.threshold("prefill", 100) == pytest.approx(7.93 * math.exp(8.61 * DEFAULT_TARGET_SPARSITY) / 100)
+    assert cfg.threshold("prefill", 4096) == pytest.approx(7.93 * math.exp(8.61 * DEFAULT_TARGET_SPARSITY) / 4096)
     assert sum("no target_sparsity" in w for w in cfg.warnings) == 2
 
 

@@ -8,6 +8,7 @@ expressions (not through the code's interpolation).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -15,6 +16,7 @@ import sys
 import pytest
 
 from sparse_attn.calibration.fit import CalibrationError, FitPoint, SampleCounts, fit_counts, fit_phase, pool
+from sparse_attn.kernels import effective_lambda
 
 A_TRUE, B_TRUE = 3.0, 9.0
 #: geometric candidate grid like runner.candidate_scales: 0.01 .. ~1900, 24 candidates
@@ -86,6 +88,11 @@ def test_fit_recovers_exact_curve_and_ignores_saturated_points():
     assert fit.scale_at_target == pytest.approx(A_TRUE * math.exp(B_TRUE * 0.5), rel=1e-9)
     assert fit.lambda_at_reference == pytest.approx(fit.scale_at_target / 4096)
     assert fit.threshold(4096) == pytest.approx(fit.lambda_at_reference)
+    assert fit.threshold(16) == 0.0 == effective_lambda(fit.scale_at_target, 16)   # >= 1: serving runs it dense
+    window_fit = dataclasses.replace(fit, normaliser="min(kv_len, w)")
+    assert window_fit.threshold(4096, window=512) == pytest.approx(fit.scale_at_target / 512)
+    with pytest.raises(ValueError, match="pass window"):
+        window_fit.threshold(4096)
     assert fit.warning is None and "prefill" in fit.summary()
 
 

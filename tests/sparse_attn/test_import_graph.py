@@ -122,12 +122,13 @@ ALLOWED: dict[str, frozenset[str]] = {name: frozenset(deps) for name, deps in {
     "settings": ("compat", "protocol"),  # built on compat.envs' registry machinery, the one list of variables
     "kernels": ("settings",),
     "stats": ("protocol",),
-    "config": ("jsonio", "protocol"),
+    "config": ("jsonio", "kernels", "protocol"),  # kernels: effective_lambda, the one home of the dense rule
     "workloads": ("compat", "errors", "jsonio"),  # compat: the model's length limit as vLLM reads it
     "models": ("errors",),
-    "adapter": ("compat", "kernels", "protocol", "stats"),
-    "plugin": ("adapter", "compat", "config", "kernels", "protocol", "settings", "stats"),
-    "calibration": ("compat", "config", "errors", "jsonio", "protocol", "settings", "workloads"),
+    "adapter": ("compat", "kernels", "protocol", "settings", "stats"),
+    "warmup": ("kernels", "protocol", "stats"),  # the install warm-up: kernel launches, the stats counters
+    "plugin": ("adapter", "compat", "config", "kernels", "protocol", "settings", "stats", "warmup"),
+    "calibration": ("compat", "config", "errors", "jsonio", "kernels", "protocol", "settings", "workloads"),
     "evaluation": ("compat", "config", "errors", "protocol", "settings", "workloads"),
     "demo": ("compat", "config", "errors", "models", "protocol", "settings", "workloads"),
     "cli": ("calibration", "compat", "config", "demo", "errors", "evaluation", "jsonio", "models", "protocol",

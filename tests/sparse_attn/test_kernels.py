@@ -12,8 +12,8 @@ import dataclasses
 import pytest
 import torch
 
-from sparse_attn.kernels import (SPLIT_K, TILE_K, TILE_Q, BatchMeta, LayerSpec, paged_attention,
-                                 paged_attention_counts)
+from sparse_attn.kernels import (SPLIT_K, TILE_K, TILE_Q, BatchMeta, LayerSpec, effective_lambda, never_skips,
+                                 paged_attention, paged_attention_counts)
 
 from .kernel_reference import add_sink_token, gather_seq, make_batch, reference  # noqa: F401  (re-exported)
 
@@ -168,8 +168,11 @@ def test_visited_tiles_follow_the_documented_geometry(kv_lens, q_lens):
             last_row = min(row0 + TILE_Q, q_len) - 1
             expected += (kv_len - q_len + last_row) // TILE_K + 1
     batch = make_batch(kv_lens, q_lens, 4, 2, 32, 16)
-    _, _, visited = _run(batch, scale=32 ** -0.5, threshold=0.0, return_counts=True)
+    # Counted under a lambda > 0 (visited tiles count only where a tile could be skipped).
+    _, _, visited = paged_attention_counts(batch, LayerSpec(32 ** -0.5), [0.5], impl="torch")
     assert visited.tolist() == [expected] * 4
+    _, _, visited = _run(batch, scale=32 ** -0.5, threshold=0.0, return_counts=True)
+    assert visited.tolist() == [0] * 4                     # lambda 0 everywhere: nothing countable
 
 
 # --------------------------------------------------------------------------- validation
@@ -214,20 +217,35 @@ def _bad_inputs():
 
 
 BAD = _bad_inputs()
-#: Block ids are device data: with a host copy they are checked only under check="full".
-_DEVICE_ONLY = {"block-id-out-of-range", "block-id-negative"}
+#: Every implementation that runs on CPU tensors here; "compiled" fails (not skips) where the
+#: library cannot be built, as test_kernels_cpu.py does.
+CPU_IMPLS = ["torch", "compiled"]
 
 
+@pytest.mark.parametrize("impl", CPU_IMPLS)
 @pytest.mark.parametrize("host", [False, True], ids=["no-host-copy", "host-copy"])
 @pytest.mark.parametrize("name", list(BAD), ids=list(BAD))
-def test_bad_input_raises_value_error(name, host):
-    batch, kw = BAD[name](make_batch([40, 20], [5, 1], 4, 2, 16, 16), {"impl": "torch"})
+def test_bad_input_raises_value_error(name, host, impl):
+    """Every bad input is refused with a ValueError by every CPU implementation, with or
+    without a host copy of the lengths (block ids of CPU tensors are always checked)."""
+    batch, kw = BAD[name](make_batch([40, 20], [5, 1], 4, 2, 16, 16), {"impl": impl})
     with pytest.raises(ValueError, match="paged_attention|BatchMeta"):
-        if host:
+        if host:   # (the host copy itself refuses some bad lengths)
             batch = dataclasses.replace(batch, host=BatchMeta.from_host(batch.seq_lens, batch.query_start_loc))
-            if name in _DEVICE_ONLY:
-                kw["check"] = "full"
         paged_attention(batch, LayerSpec(0.25), **kw)
+
+
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+@pytest.mark.parametrize("bad", ["past", 10**8, -1], ids=["one-past-the-cache", "1e8", "negative"])
+def test_bad_block_id_message_names_the_id_the_range_and_the_fix(bad, impl):
+    batch = make_batch([40, 20], [5, 1], 4, 2, 16, 16, host=True)
+    n = batch.key_cache.shape[0]
+    bad = n if bad == "past" else bad
+    batch.block_table[0, 1] = bad
+    with pytest.raises(ValueError) as err:
+        paged_attention(batch, LayerSpec(0.25), threshold=0.1, impl=impl)
+    msg = str(err.value)
+    assert f"block_table[0, 1] out of range: got {bad}" in msg and f"[0, {n})" in msg and "Fix:" in msg, msg
 
 
 @pytest.mark.parametrize("thresholds", [[0.1, -1.0], [float("nan")], torch.ones(2, 2)],
@@ -310,13 +328,16 @@ def test_counting_mode_per_sequence_candidates():
     assert skipped.shape == (len(base), hq) and skipped.dtype == torch.int64
     torch.testing.assert_close(out, _run(batch, scale=scale), atol=0, rtol=0)
     for j in range(len(base)):
-        expect = torch.zeros(hq, dtype=torch.int64)
+        expect, expect_vis = torch.zeros(hq, dtype=torch.int64), torch.zeros(hq, dtype=torch.int64)
         for s in range(n_seqs):
-            expect += reference(_seq_alone(batch, s), scale, lam=float(per_seq[j, s]))[1]
+            _, sk_s, vis_s, _ = reference(_seq_alone(batch, s), scale, lam=float(per_seq[j, s]))
+            expect, expect_vis = expect + sk_s, expect_vis + vis_s
         assert skipped[j].tolist() == expect.tolist()
-        # calibration predicts serving with the same per-sequence lambdas exactly
+        # calibration predicts serving with the same per-sequence lambdas exactly; serving counts
+        # visited tiles where its lambda is > 0 (none for candidate 0), counting mode where any is
         _, sk, v2 = _run(batch, scale=scale, threshold=per_seq[j], return_counts=True)
-        assert sk.tolist() == skipped[j].tolist() and v2.tolist() == vis.tolist()
+        assert sk.tolist() == skipped[j].tolist() and v2.tolist() == expect_vis.tolist()
+        assert v2.tolist() == (vis.tolist() if bool((per_seq[j] > 0).all()) else [0] * hq)
     # 1-D candidates are the 2-D candidates broadcast over sequences; nested lists work too.
     one_d = paged_attention_counts(batch, LayerSpec(scale), base.tolist(), impl="torch")[1]
     two_d = paged_attention_counts(batch, LayerSpec(scale), base[:, None].expand(-1, n_seqs).tolist(), impl="torch")[1]
@@ -474,6 +495,16 @@ def test_effective_lambda_of_a_window_curve_divides_by_min_of_kv_len_and_window(
     assert isinstance(host, float) and host == pytest.approx(expected, rel=1e-12)
     device = effective_lambda(scale, torch.tensor([kv_len], dtype=torch.int32), window)
     assert device.tolist() == [torch.tensor(expected, dtype=torch.float32).item()]
+
+
+@pytest.mark.parametrize("scale, longest, expected", [
+    (100.0, 101, False), (100.0, 100, True), (100.0, 50, True), (0.5, 1, False), (None, 4096, True), (3.0, 0, True),
+], ids=["lambda-just-below-1", "lambda-1", "lambda-2", "lambda-half", "no-curve", "no-length"])
+def test_never_skips_is_effective_lambda_zero_at_the_longest_normaliser(scale, longest, expected):
+    assert never_skips(scale, longest) is expected
+    assert expected == (effective_lambda(scale, longest) == 0.0)
+    if not expected:     # lambda falls with the length: a phase that skips at `longest` skips beyond it too
+        assert all(effective_lambda(scale, n) > 0 for n in (longest, 2 * longest, 10 * longest))
 
 
 @pytest.mark.parametrize("window", [0, -1, 2.5, True], ids=["zero", "negative", "float", "bool"])

@@ -93,7 +93,7 @@ def test_uniform_decode_prepares_without_host_reads(recorder, num_seqs):
     assert num_seqs * HKV * kv_progs <= max(triton_impl.TARGET_PROGRAMS, num_seqs * HKV)
     assert plan.phase == "decode" and plan.calls[0].grid[:2] == (num_seqs, HKV * (HQ // HKV) // heads)
     assert attn["COUNT"] and attn["BLOCK_N"] == 64 and attn["HEADS"] * attn["BLOCK_M"] >= 16
-    assert attn["TILE_SEQ"].shape == (num_seqs,) and attn["TILE_SEQ"].dtype == torch.int32
+    assert not attn["TILE_MAP"]                                         # decode: program s is sequence s
     assert attn["LAM"].shape == (num_seqs,) and attn["LAM"].dtype == torch.float32
     assert attn["SKIP_CNT"].shape[:3] == (num_seqs, kv_progs, HQ) and attn["SKIP_CNT"].dtype == torch.int32
     assert attn["K"].stride() == k.stride() and attn["BT"].dtype == torch.int32

@@ -30,7 +30,7 @@ SCRIPT = textwrap.dedent('''
     import torch, triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from sparse_attn.kernels import BatchMeta, LayerSpec, PagedBatch
+    from sparse_attn.kernels import BatchMeta, LambdaRule, LayerSpec, PagedBatch
     from sparse_attn.kernels import triton_impl as ti
 
     TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
@@ -54,6 +54,10 @@ SCRIPT = textwrap.dedent('''
             if spec_kw.get(name) == "tensor":
                 spec_kw[name] = torch.empty(hq if name == "sink_logits" else 1, dtype=torch.float32, **META)
         n = len(kv_lens)
+        if counting == "served":   # the serving launch: lambdas (float64) and atomic counts in the kernel
+            return ti.prepare(batch, LayerSpec(d ** -0.5, **spec_kw), batch.host, threshold=LambdaRule(35.3, 4096),
+                              count_thresholds=None, out=torch.empty(t, hq, d, dtype=dtype, **META),
+                              counters=torch.empty(5, dtype=torch.int64, **META))
         return ti.prepare(batch, LayerSpec(d ** -0.5, **spec_kw), batch.host,
                           threshold=torch.empty(n, dtype=torch.float32, **META),
                           count_thresholds=torch.empty(3, n, dtype=torch.float32, **META) if counting else None,
@@ -87,6 +91,8 @@ SCRIPT = textwrap.dedent('''
         ("gptoss-prefill-fp8", BF16, E4M3, 64, 8, 64, [4096], [4096],
          dict(sink_logits="tensor", k_scale="tensor", v_scale="tensor"), False),
         ("softcap-prefill-e5m2", F16, E5M2, 8, 4, 256, [4096], [512], dict(soft_cap=50.0, k_scale=0.5), False),
+        ("llama-decode-split-served", BF16, BF16, 32, 8, 128, [32768], [1], {}, "served"),
+        ("gemma3-prefill-window-served", BF16, BF16, 4, 1, 256, [8192], [8192], dict(window=512), "served"),
     ]
     for name, *args in CASES:
         p = plan(*args)
@@ -107,10 +113,11 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
     compiled = [line for line in lines if line.startswith("compiled")]
-    assert lines[-1] == "cases 9" and len({line.split()[1] for line in compiled}) == 9, proc.stdout
+    assert lines[-1] == "cases 11" and len({line.split()[1] for line in compiled}) == 11, proc.stdout
     # The split-KV decodes launch the merge kernel too; the others do not.
     merged = {line.split()[1] for line in compiled if "merge_splits_kernel" in line}
-    assert merged == {"llama-decode-split", "gemma3-decode-window", "gptoss-decode-fp8"}, proc.stdout
+    assert merged == {"llama-decode-split", "gemma3-decode-window", "gptoss-decode-fp8", "llama-decode-split-served"}, \
+        proc.stdout
     # Hopper allows at most 227 KiB of shared memory per block: above it the launch fails.
     for line in compiled:
         assert int(line.split()[-1]) <= 227 * 1024, line

@@ -12,6 +12,7 @@ it at a directory shared by every env) or a temporary directory.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import math
@@ -281,6 +282,84 @@ def test_unchecked_call_equals_checked():
         assert torch.equal(a[0], b[0]) and b[1].tolist() == a[1].tolist() and int(a[1].sum()) > 0
 
 
+_REFUSE_SCRIPT = """
+import ctypes, sys, torch
+from sparse_attn.kernels import LayerSpec, cpu_build, cpu_impl, paged_attention
+from tests.sparse_attn.kernel_reference import make_batch
+case, value = sys.argv[1], sys.argv[2]
+batch = make_batch([40, 20], [5, 1], 4, 2, 16, 16)
+value = batch.key_cache.shape[0] if value == "past" else int(value)
+if case == "id":
+    batch.block_table[0, 1] = value          # sequence 0 (40 tokens) uses columns 0 and 1
+else:
+    batch.seq_lens[0] = value                # more blocks than the table has columns
+lib = cpu_impl._state["lib"] if cpu_impl.status().available else None
+assert lib is not None, cpu_impl.status().reason
+out = torch.full_like(batch.query, 7.0)
+call = cpu_impl.make_call(batch, LayerSpec(0.25), threshold=torch.zeros(2), count_thresholds=None, out=out)
+rc = lib.sa_forward(ctypes.byref(call.c))    # the library itself, past every Python check
+assert bool((out == 7.0).all()), "the kernel wrote output before refusing"
+try:
+    paged_attention(batch, LayerSpec(0.25), impl="compiled", check=False)
+except ValueError as exc:
+    print("RC", rc, "|", exc)
+else:
+    print("RC", rc, "| no error")
+"""
+
+
+@pytest.mark.parametrize("case, value, code", [
+    pytest.param("id", "past", cpu_build.BAD_BLOCK_ID, id="id-one-past-the-cache"),
+    pytest.param("id", 10**8, cpu_build.BAD_BLOCK_ID, id="id-1e8"),
+    pytest.param("id", -1, cpu_build.BAD_BLOCK_ID, id="id-negative"),
+    pytest.param("len", 16 * 5, cpu_build.BAD_BLOCK_TABLE, id="table-too-narrow"),   # 4 columns
+])
+def test_library_refuses_bad_block_ids_itself(case, value, code):
+    """The compiled kernel called directly (no validation: ``check=False`` and the raw
+    ``sa_forward``) with a block id outside the cache or a table too narrow returns its
+    error code before reading anything, and the loader turns it into a ValueError.  In a
+    subprocess: a crash (the old SIGSEGV at id 1e8) fails this test instead of pytest."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", _REFUSE_SCRIPT, case, str(value)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    rc, msg = proc.stdout.strip().split(" | ", 1)
+    assert rc == f"RC {code}", proc.stdout
+    n_blocks = make_batch([40, 20], [5, 1], 4, 2, 16, 16).key_cache.shape[0]
+    seen = n_blocks if value == "past" else value
+    expect = f"got {seen}, expected a block id in [0, {n_blocks})" if case == "id" \
+        else "block_table too narrow for sequence 0"
+    assert expect in msg, msg
+
+
+def test_library_layout_matches_the_ctypes_mirror_and_common():
+    """sa_layout reports the ABI, sizeof(SaCall), its field count and offsets, TILE_Q and
+    TILE_K; the loader compares them with cpu_build.SaCall and _common (and refuses on a
+    difference, which is what loading at all proves; here the values are read out)."""
+    lib = cpu_impl._state["lib"]
+    want = cpu_build.expected_layout()
+    buf = (ctypes.c_int64 * (len(want) + 8))()
+    n = lib.sa_layout(buf, len(buf))
+    assert n == len(want) and list(buf[:n]) == want
+    assert want[:5] == [cpu_build.ABI_VERSION, ctypes.sizeof(cpu_build.SaCall), len(cpu_build.SaCall._fields_),
+                        TILE_Q, TILE_K]
+
+
+def test_loader_refuses_a_library_with_another_layout(monkeypatch):
+    """A mirror that differs from the library (one field fewer on the Python side) is refused
+    at load with the field, both values and the rebuild hint."""
+    lib = cpu_impl._state["lib"]
+
+    class Short(ctypes.Structure):
+        _fields_ = [f for f in cpu_build.SaCall._fields_ if f[0] != "bt_cols"]
+
+    lib_size, short_size = ctypes.sizeof(cpu_build.SaCall), ctypes.sizeof(Short)
+    monkeypatch.setattr(cpu_build, "SaCall", Short)
+    with pytest.raises(cpu_build.CpuKernelUnavailable, match=rf"sizeof\(SaCall\) is {lib_size} in the library, "
+                                                             rf"{short_size} .*Fix:.*delete .* so it rebuilds"):
+        cpu_build.check_layout(lib, Path("lib.so"))
+
+
 def test_exp_approximation_accuracy():
     """The kernel's vector exp against float64 over the range it sees (x = s - m <= 8 after the
     lazy rescale; below -87 it returns 0, exp(-87) = 1.6e-38 being negligible next to the
@@ -345,6 +424,25 @@ def test_generic_build_matches_reference(generic_build, monkeypatch, case, dtype
     if dtype == "fp32":  # half-precision scores may straddle a decision boundary the float64 one does not
         assert sk.tolist() == skipped.tolist()
     assert vis.tolist() == visited.tolist()
+
+
+@pytest.mark.parametrize("build", ["isa", "generic"])
+def test_exp_and_max_special_values_follow_the_nan_policy(build, generic_build):
+    """_common's NaN policy at the vector exp (NaN -> NaN, -inf -> 0, +inf -> +inf, in the
+    ISA build and the portable one alike; the AVX2 exp once turned NaN into 1.6e-38) and
+    tanh (NaN -> NaN, +-inf -> +-1 within 1 ulp)."""
+    if build == "isa":
+        lib = cpu_impl._state["lib"]
+    else:
+        root, key, _ = generic_build
+        lib = cpu_build._open(root / f"sparse_attn_cpu-{key}.so", "generic")
+    x = torch.tensor([float("nan"), float("-inf"), float("inf"), -100.0, 0.0, 1.0, 89.0, 1e30])
+    y = torch.empty_like(x)
+    lib.sa_exp(x.data_ptr(), y.data_ptr(), 8)
+    assert y[0].isnan() and y[1:].tolist() == [0.0, math.inf, 0.0, 1.0, pytest.approx(math.e, rel=2.4e-7),
+                                               math.inf, math.inf]
+    lib.sa_tanh(x.data_ptr(), y.data_ptr(), 8)
+    assert y[0].isnan() and y[1:3].tolist() == [pytest.approx(-1.0, abs=1e-7), pytest.approx(1.0, abs=1e-7)]
 
 
 # --------------------------------------------------------------------------- build, cache, choice rule

@@ -146,7 +146,7 @@ def test_windowed_tiles_follow_the_documented_geometry(window, kv_lens, q_lens):
     batch = make_batch(kv_lens, q_lens, 4, 2, 16, 16)
     spec = LayerSpec(0.25, window=window)
     for impl in ("torch", "triton", "compiled"):
-        _, _, visited = paged_attention(batch, spec, threshold=0.0, return_counts=True, impl=impl)
+        _, _, visited = paged_attention_counts(batch, spec, [0.5], impl=impl)
         assert visited.tolist() == [expected] * 4, impl
 
 
@@ -170,8 +170,8 @@ def test_window_covering_the_sequence_sees_what_full_attention_sees(impl):
     are the float64 reference's for the windowed spec."""
     batch = add_sink_token(make_batch([300, 130, 40], [1, 130, 40], 4, 2, 16, 16, seed=3))
     full, windowed = LayerSpec(0.5), LayerSpec(0.5, window=300)
-    dense_full = paged_attention(batch, full, threshold=0.0, return_counts=True, impl=impl, split_k=128)
-    dense_win = paged_attention(batch, windowed, threshold=0.0, return_counts=True, impl=impl, split_k=128)
+    dense_full = paged_attention_counts(batch, full, [0.5], impl=impl, split_k=128)      # dense, counted
+    dense_win = paged_attention_counts(batch, windowed, [0.5], impl=impl, split_k=128)
     # fp32 rounding only: the compiled kernel visits a windowed item's anchor (here its last
     # tile) first, so its online softmax adds the same terms in another order.
     torch.testing.assert_close(dense_win[0], dense_full[0], atol=2e-5, rtol=1e-5)

@@ -36,6 +36,10 @@ def test_gpu_check_dry_run(tmp_path):
     assert mem["ok"] and [r["batch"] for r in mem["rows"]] == [1, 8, 64, 256, 512]
     big = mem["rows"][-1]
     assert big["scratch_bytes"] < big["unbounded_partials_bytes"] / 100
+    # The adapter's whole decode forward on fake vLLM metadata (eager here), dense and per target.
+    fwd = res["forward"]
+    assert fwd["ok"] and [r["target"] for r in fwd["rows"]] == [0.0, 0.5, 0.7, 0.9]
+    assert all(r["us"] > 0 and r["us_native"] > 0 and r["timing"] == "eager" for r in fwd["rows"])
     bench = res["bench"]
     assert {r["case"] for r in bench} == {"prefill-tiny", "decode-tiny-b2"}
     for r in bench:

@@ -204,6 +204,21 @@ def test_every_reason_a_layer_stays_native_is_joined_in_one_place():
     assert not any(isinstance(layer.attn.impl, SparseAttentionMixin) for layer in model.layers)
 
 
+def test_the_kernels_limits_keep_a_layer_native_with_their_reason(monkeypatch):
+    """Head size 512: the torch CPU kernel takes it, the Triton kernel (GPU backends) does not,
+    so that layer stays native with the reason instead of failing at its first forward."""
+    monkeypatch.setenv("SPARSE_ATTN_KV_LAYOUT", "CPU_ATTN=cpu-packed,FLASH_ATTN=packed")
+    compat.reset_for_tests()
+    model = Model([Impl(head_size=512), Impl(head_size=256)])
+    model.layers.append(_layer_on("FLASH_ATTN", Builder))
+    model.layers.append(_layer_on("FLASH_ATTN", Builder))
+    model.layers[2].attn.impl.head_size = 512
+    model.layers[3].attn.impl.head_size = 256
+    summary = plugin.install(model, None, POLICY)
+    assert [isinstance(layer.attn.impl, SparseAttentionMixin) for layer in model.layers] == [True, True, False, True]
+    assert summary["native"] == {"head size 512 on cuda (the Triton kernel takes head sizes <= 256)": 1}
+
+
 CGSupport = enum.Enum("AttentionCGSupport", {"NEVER": 0, "UNIFORM_SINGLE_TOKEN_DECODE": 1, "UNIFORM_BATCH": 2, "ALWAYS": 3})
 
 

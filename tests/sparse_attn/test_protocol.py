@@ -87,8 +87,8 @@ def test_snapshot_has_the_protocol_keys_and_device_counts_add_in():
     stats = WorkerStats()
     stats.add("prefill", 3, 10)
     with torch.inference_mode():  # as vLLM runs forwards: the accumulator is an inference tensor
-        stats.add_device("decode", torch.tensor([2, 8, 1, 0, 0]))
-        stats.add_device("decode", torch.tensor([1, 8, 1, 0, 0]))
+        stats.device_counter("decode", torch.device("cpu")).add_(torch.tensor([2, 8, 1, 0, 0]))
+        stats.device_counter("decode", torch.device("cpu")).add_(torch.tensor([1, 8, 1, 0, 0]))
     stats.set_install({"installed": 2, "total": 2, "backends": ["CPU_ATTN"]}, ("LlamaAttention",))
     snap = stats.snapshot(reset=True)
     assert set(snap) | {"rank"} == set(protocol.SNAPSHOT_KEYS)

@@ -9,7 +9,7 @@
 
 namespace sa {
 
-constexpr int TILE_K = 64;  // must equal _common.TILE_K
+constexpr int TILE_K = 64;  // checked against _common.TILE_K at load (sa_layout)
 constexpr int PANEL = 16;   // KV positions per Q.K^T column panel
 constexpr int MR = 6;       // rows per micro-kernel: 6 x 16 fp32 = 12 ymm accumulators of 16
 

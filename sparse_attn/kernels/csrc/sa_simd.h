@@ -72,17 +72,25 @@ inline void from_f32(float f, f16_t* out) {
   }
 }
 
-// exp(x) for x <= 88; x < -87 (and -inf) gives 0: 2^n p(r), n = round(x / ln 2), r = x - n ln 2
+// NaN policy (kernels/_common.py, "NaN and infinities"): maxima propagate NaN (vmax, hmax,
+// nmax: NaN if either operand is), exp8 / exp_scalar return NaN for NaN and +inf for +inf,
+// in both builds.
+//
+// exp(x) for x <= 88; x < -87 (and -inf) gives 0, x > 89 (and +inf) +inf, NaN NaN: 2^n p(r), n = round(x / ln 2), r = x - n ln 2
 // in [-ln2/2, ln2/2] (ln 2 in two parts so n ln 2 is exact), p = Taylor polynomial of degree 6
 // (truncation <= r^7/7! = 1.2e-7 relative).  Measured against float64 over [-87, 8]: < 2 ulp
 // (tests/sparse_attn/test_kernels_cpu.py::test_exp_approximation_accuracy); the float64
 // reference tolerance of the outputs is 1e-5 relative, 40x that.  Degree 6, not 5: one
 // FMA more (the exp pass is ~10 % of a dense prefill) buys 1 ulp instead of 20.
-constexpr float kExpLo = -87.0f, kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kExpLo = -87.0f, kExpHi = 89.0f, kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
 constexpr float kP6 = 1.0f / 720, kP5 = 1.0f / 120, kP4 = 1.0f / 24, kP3 = 1.0f / 6;
+
+// The maximum of a and b, NaN if either is NaN (std::max keeps a when b is NaN).
+inline float nmax(float a, float b) { return (a != a || a > b) ? a : b; }
 
 inline float exp_scalar(float x) {
   if (!(x >= kExpLo)) return x != x ? x : 0.0f;
+  x = std::fmin(x, kExpHi);  // exp(89) overflows to +inf: the exponent field saturates
   const float n = std::nearbyint(x * kLog2e);
   float r = std::fma(-n, kLn2Hi, x);
   r = std::fma(-n, kLn2Lo, r);
@@ -147,7 +155,8 @@ inline V8 fmadd(V8 a, V8 b, V8 c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
 inline V8 add(V8 a, V8 b) { return {_mm256_add_ps(a.v, b.v)}; }
 inline V8 sub(V8 a, V8 b) { return {_mm256_sub_ps(a.v, b.v)}; }
 inline V8 mul(V8 a, V8 b) { return {_mm256_mul_ps(a.v, b.v)}; }
-inline V8 vmax(V8 a, V8 b) { return {_mm256_max_ps(a.v, b.v)}; }
+// _mm256_max_ps returns b when either is NaN: blend a back where a is NaN.
+inline V8 vmax(V8 a, V8 b) { return {_mm256_blendv_ps(_mm256_max_ps(a.v, b.v), a.v, _mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q))}; }
 inline float hsum(V8 a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -155,6 +164,7 @@ inline float hsum(V8 a) {
   return _mm_cvtss_f32(s);
 }
 inline float hmax(V8 a) {
+  if (_mm256_movemask_ps(_mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q))) return std::numeric_limits<float>::quiet_NaN();
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
   s = _mm_max_ss(s, _mm_movehdup_ps(s));
@@ -162,8 +172,9 @@ inline float hmax(V8 a) {
 }
 inline V8 exp8(V8 x) {
   const __m256 lo = _mm256_set1_ps(kExpLo);
-  __m256 under = _mm256_cmp_ps(x.v, lo, _CMP_LT_OQ);  // also -inf (NaN: not below, stays NaN)
-  __m256 xc = _mm256_max_ps(x.v, lo);
+  __m256 under = _mm256_cmp_ps(x.v, lo, _CMP_LT_OQ);  // also -inf
+  // max / min return their second operand for NaN: xc is finite, NaN is blended back below.
+  __m256 xc = _mm256_min_ps(_mm256_max_ps(x.v, lo), _mm256_set1_ps(kExpHi));
   __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), xc);
   r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
@@ -174,7 +185,8 @@ inline V8 exp8(V8 x) {
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return {_mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)))};
+  __m256 y = _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+  return {_mm256_blendv_ps(y, x.v, _mm256_cmp_ps(x.v, x.v, _CMP_UNORD_Q))};
 }
 inline V8 tanh8(V8 y) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -214,7 +226,7 @@ inline V8 fmadd(V8 a, V8 b, V8 c) { return {a.v * b.v + c.v}; }
 inline V8 add(V8 a, V8 b) { return {a.v + b.v}; }
 inline V8 sub(V8 a, V8 b) { return {a.v - b.v}; }
 inline V8 mul(V8 a, V8 b) { return {a.v * b.v}; }
-inline V8 vmax(V8 a, V8 b) { return {a.v > b.v ? a.v : b.v}; }
+inline V8 vmax(V8 a, V8 b) { return {((a.v > b.v) | (a.v != a.v)) ? a.v : b.v}; }
 inline float hsum(V8 a) {
   float s = 0.0f;
   for (int i = 0; i < 8; ++i) s += a.v[i];
@@ -222,15 +234,19 @@ inline float hsum(V8 a) {
 }
 inline float hmax(V8 a) {
   float s = a.v[0];
-  for (int i = 1; i < 8; ++i) s = a.v[i] > s ? a.v[i] : s;
+  for (int i = 1; i < 8; ++i) s = nmax(s, a.v[i]);
   return s;
 }
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 // exp_scalar on 8 lanes: rounding with the 1.5 * 2^23 shifter (exact for |x / ln 2| < 2^22).
 inline V8 exp8(V8 x) {
   const f32x8 lo = set1(kExpLo).v, shifter = set1(12582912.0f).v;
+  const f32x8 hi = set1(kExpHi).v;
   const i32x8 under = x.v < lo;  // also -inf
-  const f32x8 xc = x.v < lo ? lo : x.v;
+  const i32x8 nan = x.v != x.v;
+  f32x8 xc = x.v < lo ? lo : x.v;
+  xc = xc > hi ? hi : xc;       // +inf -> exp(89) = +inf
+  xc = nan ? lo : xc;           // a finite input for the arithmetic; NaN is put back below
   const f32x8 n = (xc * kLog2e + shifter) - shifter;
   f32x8 r = xc - n * kLn2Hi;
   r = r - n * kLn2Lo;
@@ -248,7 +264,7 @@ inline V8 exp8(V8 x) {
   std::memcpy(&yi, &y, sizeof(yi));
   yi &= ~under;
   std::memcpy(&y, &yi, sizeof(y));
-  return {y};
+  return {nan ? x.v : y};
 }
 inline V8 tanh8(V8 y) {
   for (int i = 0; i < 8; ++i) y.v[i] = tanh_scalar(y.v[i]);

@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <new>
 #include <type_traits>
@@ -42,8 +43,10 @@ using namespace sa;
 
 namespace {
 
-constexpr int kAbiVersion = 3;
-constexpr int TILE_Q = 64;  // must equal _common.TILE_Q
+constexpr int kAbiVersion = 4;
+// sa_forward's return codes (cpu_impl.forward turns each into an error).
+constexpr int kOk = 0, kIsaMissing = 1, kBadCall = 2, kOutOfMemory = 3, kBadBlockId = 4, kBadBlockTable = 5;
+constexpr int TILE_Q = 64;  // checked against _common.TILE_Q at load (sa_layout)
 // Rows per item: 4 heads x 64 rows x D 64-128 keeps Q, S and O (3 x M x D fp32, <= 384 KiB)
 // inside the 1 MiB L2 of the machine this was tuned on; larger GQA groups get several items.
 constexpr int ITEM_ROWS = 256;
@@ -79,13 +82,17 @@ std::atomic<uint64_t> g_prof_total[P_COUNT];
 }  // namespace
 
 extern "C" {
-// Mirrored field by field by cpu_impl._Call (ctypes).  Strides are in elements.
+// Mirrored field by field by cpu_impl._Call (ctypes); the loader compares the two through
+// sa_layout (size, field count, every offset) and refuses a library that differs.  Strides
+// are in elements.
 struct SaCall {
   int32_t abi;
   int32_t dtype;     // query / out: 0 fp32, 1 bf16, 2 fp16
   int32_t kv_dtype;  // caches: 0 fp32, 1 bf16, 2 fp16, 3 float8_e4m3fn, 4 float8_e5m2
   int32_t num_seqs, num_q_heads, num_kv_heads, head_dim, page_size;
   int32_t causal, window, split_tiles, num_threads, num_counts, bt_is64, sl_is64, qsl_is64;
+  int32_t num_blocks;  // blocks of the caches: every block id a sequence uses must be in [0, num_blocks)
+  int32_t bt_cols;     // columns of the block table: a sequence may use at most this many blocks
   float scale;     // softmax scale times the K dequantisation scale
   float soft_cap;  // 0: none
   float v_scale;   // V dequantisation scale (1 for unquantised caches)
@@ -109,6 +116,15 @@ struct SaCall {
   int64_t* visited;         // [num_q_heads], each added to (the count is the same for every head)
 };
 }
+
+// Every field of SaCall in declaration order, for sa_layout (a field added to the struct but
+// not here changes sizeof or the offsets that follow, which the loader sees).
+#define SA_CALL_FIELDS(X)                                                                                  \
+  X(abi) X(dtype) X(kv_dtype) X(num_seqs) X(num_q_heads) X(num_kv_heads) X(head_dim) X(page_size) X(causal) \
+  X(window) X(split_tiles) X(num_threads) X(num_counts) X(bt_is64) X(sl_is64) X(qsl_is64) X(num_blocks)     \
+  X(bt_cols) X(scale) X(soft_cap) X(v_scale) X(q) X(q_st) X(q_sh) X(q_sd) X(out) X(o_st) X(o_sh) X(o_sd)    \
+  X(k) X(k_sb) X(k_st) X(k_sh) X(k_sd) X(v) X(v_sb) X(v_st) X(v_sh) X(v_sd) X(bt) X(bt_s0) X(bt_s1)         \
+  X(seq_lens) X(qsl) X(sl_s) X(qsl_s) X(lam) X(count_lam) X(sink_logits) X(skipped) X(visited)
 
 namespace {
 
@@ -202,7 +218,7 @@ void store_out_rows(const SaCall& c, const Item& it, int64_t row0, int nr, const
     for (int i = 0; i < nr; ++i) {
       const int r = hh * nr + i;
       const float denom = l[r] + (c.sink_logits ? std::exp(c.sink_logits[head] - mref[r]) : 0.0f);
-      const float inv = denom > 0.0f ? c.v_scale / denom : 0.0f;
+      const float inv = (denom > 0.0f || denom != denom) ? c.v_scale / denom : 0.0f;  // NaN stays NaN
       const float* o = O + size_t(r) * D;
       T* dst = out + (row0 + i) * c.o_st + head * c.o_sh;
       for (int d = 0; d < D; ++d) from_f32(o[d] * inv, dst + d * c.o_sd);
@@ -248,6 +264,10 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
 
   const float lam_s = c.lam ? c.lam[s] : 0.0f;
   const bool count_here = c.num_counts > 0;
+  // Visited tiles are counted for a sequence some counted lambda can skip in (one > 0):
+  // serving's achieved sparsity and calibration's counts share that denominator (_common).
+  bool count_visited = false;
+  for (int j = 0; j < c.num_counts; ++j) count_visited |= c.count_lam[int64_t(j) * S + s] > 0.0f;
   const KVT* kh = static_cast<const KVT*>(c.k) + int64_t(kvh) * c.k_sh;  // this KV head's K and V
   const KVT* vh = static_cast<const KVT*>(c.v) + int64_t(kvh) * c.v_sh;
   const float* kpanel[TILE_K / PANEL];
@@ -344,7 +364,7 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
           float diff = NEG_INF;  // max over voting rows of tile_max - m_before
           for (int r = hh * nr; r < (hh + 1) * nr; ++r) {
             if (rowmax[r] == NEG_INF) continue;  // the row sees nothing of this tile: no vote
-            diff = std::max(diff, mdense[r] == NEG_INF ? POS_INF : rowmax[r] - mdense[r]);
+            diff = nmax(diff, mdense[r] == NEG_INF ? POS_INF : rowmax[r] - mdense[r]);  // NaN propagates
           }
           // max over rows of exp(.) = exp of the max: exp is monotonic.
           const float ratio = std::exp(diff);
@@ -353,11 +373,11 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
             for (int j = 0; j < c.num_counts; ++j)
               if (ratio < c.count_lam[int64_t(j) * S + s]) sk[int64_t(j) * c.num_q_heads] += 1;
           }
-          keep[hh] = !(ratio < lam_s);
+          keep[hh] = !(ratio < lam_s);  // a NaN ratio keeps the tile
         }
-        for (int r = 0; r < M; ++r) mdense[r] = std::max(mdense[r], rowmax[r]);
+        for (int r = 0; r < M; ++r) mdense[r] = nmax(mdense[r], rowmax[r]);
       }
-      if (count_here && kvh == 0 && it.h0 == 0) cnt.visited += 1;
+      if (count_visited && kvh == 0 && it.h0 == 0) cnt.visited += 1;
     }
     PROF(P_RULE);
     // ---- exp and row sums of the kept heads' rows
@@ -449,6 +469,17 @@ int run(const SaCall& c) {
     info[S + s] = a;
     info[2 * S + s] = b - a;
   }
+  // Every block id a sequence uses (ceil(kv / page) of them) must lie in the caches and the
+  // table: the walk dereferences them unchecked.  S * blocks reads, nothing next to the walk.
+  for (int s = 0; s < S; ++s) {
+    if (info[2 * S + s] <= 0) continue;  // no query row this step: nothing is read
+    const int64_t kv = info[s], need = (kv + c.page_size - 1) / c.page_size;
+    if (kv < 0 || need > c.bt_cols) return kBadBlockTable;
+    for (int64_t col = 0; col < need; ++col) {
+      const int64_t b = block_at(c, s, col);
+      if (b < 0 || b >= c.num_blocks) return kBadBlockId;
+    }
+  }
   std::vector<Item> items;
   for (int s = 0; s < S; ++s) {
     const int64_t kv = info[s], ql = info[2 * S + s];
@@ -466,7 +497,7 @@ int run(const SaCall& c) {
         }
     }
   }
-  if (items.empty()) return 0;
+  if (items.empty()) return kOk;
   // Longest first, then handed out one at a time: causal prefills make items very unequal.
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   bool test = c.num_counts > 0;
@@ -502,7 +533,7 @@ int run(const SaCall& c) {
         }
       }
     } catch (const std::bad_alloc&) {
-      status.store(3);
+      status.store(kOutOfMemory);
     }
 #if defined(SA_PROFILE)
     for (int i = 0; i < P_COUNT; ++i) {
@@ -524,13 +555,13 @@ int run(const SaCall& c) {
 #endif
     }
   }
-  if (status.load()) return status.load();
+  if (status.load()) return status.load();  // kOutOfMemory
   for (const Counts& cnt : counts) {
     for (size_t i = 0; i < cnt.skipped.size(); ++i) c.skipped[i] += cnt.skipped[i];
     if (c.visited)
       for (int h = 0; h < c.num_q_heads; ++h) c.visited[h] += cnt.visited;
   }
-  return 0;
+  return kOk;
 }
 
 
@@ -548,17 +579,21 @@ const char* sa_isa() {
 #endif
 }
 
-// 0: ok; 1: this build's ISA is not available on the running CPU; 2: bad call (ABI
-// mismatch, unsupported dtype or head size); 3: out of memory.
+// kOk; kIsaMissing: this build's ISA is not available on the running CPU; kBadCall: ABI
+// mismatch, unsupported dtype or head size, page size < 1; kOutOfMemory; kBadBlockId: a
+// sequence uses a block id outside [0, num_blocks); kBadBlockTable: a sequence needs more
+// blocks than the table has columns (or has a negative length).
 int sa_forward(const SaCall* c) {
   if (!c || c->abi != kAbiVersion || c->head_dim % 8 || c->num_kv_heads <= 0 || c->split_tiles <= 0 ||
-      c->num_q_heads % c->num_kv_heads)
-    return 2;
+      c->num_q_heads % c->num_kv_heads || c->page_size < 1)
+    return kBadCall;
 #if defined(SA_AVX2)
-  if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))) return 1;
+  if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")))
+    return kIsaMissing;
 #endif
   // An unquantised cache has the query's dtype; an fp8 one goes with any query dtype.
-  if (c->dtype < 0 || c->dtype > 2 || (c->kv_dtype < 3 && c->kv_dtype != c->dtype) || c->kv_dtype > 4) return 2;
+  if (c->dtype < 0 || c->dtype > 2 || (c->kv_dtype < 3 && c->kv_dtype != c->dtype) || c->kv_dtype > 4)
+    return kBadCall;
   try {
     switch (c->kv_dtype) {
       case 0: return run<float>(*c);
@@ -568,8 +603,21 @@ int sa_forward(const SaCall* c) {
       default: return run<e5m2_t>(*c);
     }
   } catch (const std::bad_alloc&) {
-    return 3;
+    return kOutOfMemory;
   }
+}
+
+// The contract with cpu_impl._Call and _common, checked by the loader: writes abi,
+// sizeof(SaCall), the field count, TILE_Q, TILE_K, then each field's offset (declaration
+// order) into out[0 .. cap) and returns how many values the full layout has.
+int sa_layout(int64_t* out, int cap) {
+  std::vector<int64_t> v{kAbiVersion, int64_t(sizeof(SaCall)), 0, TILE_Q, TILE_K};
+#define SA_OFFSET(f) v.push_back(int64_t(offsetof(SaCall, f)));
+  SA_CALL_FIELDS(SA_OFFSET)
+#undef SA_OFFSET
+  v[2] = int64_t(v.size()) - 5;
+  for (int i = 0; i < cap && i < int(v.size()); ++i) out[i] = v[i];
+  return int(v.size());
 }
 
 // Cycles per phase (Phase order) summed over threads since the last reset; 0 without SA_PROFILE.
