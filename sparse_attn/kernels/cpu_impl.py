@@ -206,8 +206,9 @@ def make_call(batch: PagedBatch, spec: LayerSpec, *, threshold: torch.Tensor, co
     lam = threshold.to("cpu", torch.float32).contiguous()
     n_counts = 0 if count_thresholds is None else int(count_thresholds.shape[0])
     count_lam = None if count_thresholds is None else count_thresholds.to("cpu", torch.float32).contiguous()
-    skipped = torch.zeros(n_counts, hq, dtype=torch.int64)
-    visited = torch.zeros(hq, dtype=torch.int64)
+    # Uninitialised: the library writes every count before it returns 0 (an error raises).
+    skipped = torch.empty(n_counts, hq, dtype=torch.int64)
+    visited = torch.empty(hq, dtype=torch.int64)
     bt = block_table if block_table.dtype in (torch.int32, torch.int64) else block_table.long()
     sinks = spec.sink_logits
     sinks_f32 = None if sinks is None else sinks.detach().to("cpu", torch.float32).contiguous()

@@ -160,6 +160,26 @@ def test_counting_mode_equals_reference_and_serving_skips(case, layout):
     assert int(skipped[-1].sum()) > 0
 
 
+def test_library_writes_its_counts_into_uninitialised_buffers():
+    """ABI 5: the counts are written, not added to, so the caller's buffers need no zeroing
+    (two fills per served layer saved).  Buffers full of garbage, the same call twice: the counts
+    equal the float64 reference's each time."""
+    kv_lens, q_lens, hq, hkv, d, page = CASES["mixed-ragged-gqa2-page16"]
+    batch = make_batch(kv_lens, q_lens, hq, hkv, d, page, layout="cpu_packed", seed=7)
+    scale, lams = 2.0 * d ** -0.5, [0.0, 0.1, 1.0]
+    _, _, visited, per_thr = cached_reference(("mixed-ragged-gqa2-page16", "plain-7"), batch, scale, thresholds=lams)
+    lib = cpu_impl._state["lib"]
+    for _ in range(2):
+        call = cpu_impl.make_call(batch, LayerSpec(scale), threshold=torch.zeros(len(kv_lens)),
+                                  count_thresholds=torch.tensor(lams)[:, None].expand(-1, len(kv_lens)),
+                                  out=torch.empty_like(batch.query))
+        call.skipped.fill_(-12345)
+        call.visited.fill_(987654321)
+        assert lib.sa_forward(ctypes.byref(call.c)) == 0
+        assert call.skipped.tolist() == per_thr.tolist() and call.visited.tolist() == visited.tolist()
+    assert int(per_thr[-1].sum()) > 0
+
+
 SPLIT_CASES = {
     # kv_lens, q_lens, Hq, Hkv, D, page, split_k: each crosses several split boundaries
     "decode-split128-gqa4": ([700, 65, 129, 1000], [1, 1, 1, 1], 8, 2, 16, 16, 128),

@@ -43,7 +43,7 @@ using namespace sa;
 
 namespace {
 
-constexpr int kAbiVersion = 4;
+constexpr int kAbiVersion = 5;
 // sa_forward's return codes (cpu_impl.forward turns each into an error).
 constexpr int kOk = 0, kIsaMissing = 1, kBadCall = 2, kOutOfMemory = 3, kBadBlockId = 4, kBadBlockTable = 5;
 constexpr int TILE_Q = 64;  // checked against _common.TILE_Q at load (sa_layout)
@@ -112,8 +112,8 @@ struct SaCall {
   const float* lam;         // [num_seqs] serving lambdas, or null (dense)
   const float* count_lam;   // [num_counts, num_seqs] candidate lambdas, or null
   const float* sink_logits;  // [num_q_heads] learned sink logits, or null
-  int64_t* skipped;         // [num_counts, num_q_heads], added to
-  int64_t* visited;         // [num_q_heads], each added to (the count is the same for every head)
+  int64_t* skipped;         // [num_counts, num_q_heads], written (zeroed first)
+  int64_t* visited;         // [num_q_heads], written (the count is the same for every head)
 };
 }
 
@@ -480,6 +480,10 @@ int run(const SaCall& c) {
       if (b < 0 || b >= c.num_blocks) return kBadBlockId;
     }
   }
+  // The counts are written, not added to (ABI 5): callers pass uninitialised buffers, which
+  // saves the two fills per layer and step that zeroed them on the Python side.
+  if (c.skipped) std::fill(c.skipped, c.skipped + int64_t(c.num_counts) * c.num_q_heads, int64_t(0));
+  if (c.visited) std::fill(c.visited, c.visited + c.num_q_heads, int64_t(0));
   std::vector<Item> items;
   for (int s = 0; s < S; ++s) {
     const int64_t kv = info[s], ql = info[2 * S + s];
