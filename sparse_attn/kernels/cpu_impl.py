@@ -187,8 +187,10 @@ def forward(
 
 @dataclass
 class Call:
-    """One ``sa_forward`` argument block (``c``) and the tensors it points into, which must
-    outlive the call: the counts it adds to and the host copies it reads."""
+    """One ``sa_forward`` argument block (``c``) and every tensor it points into, which must
+    outlive the call: the counts it writes, ``out``, the batch's query, caches and host copies.
+    A Call owns all of them, so a temporary passed as ``out`` cannot be freed before the
+    library writes it (the use-after-free AddressSanitizer found)."""
 
     c: cpu_build.SaCall
     skipped: torch.Tensor
@@ -243,7 +245,7 @@ def make_call(batch: PagedBatch, spec: LayerSpec, *, threshold: torch.Tensor, co
     c.sink_logits = None if sinks_f32 is None else sinks_f32.data_ptr()
     c.skipped = skipped.data_ptr()
     c.visited = visited.data_ptr()
-    return Call(c, skipped, visited, (seq_lens, qsl, lam, count_lam, bt, sinks_f32))
+    return Call(c, skipped, visited, (out, query, key_cache, value_cache, seq_lens, qsl, lam, count_lam, bt, sinks_f32))
 
 
 def _index_tensor(t: torch.Tensor) -> torch.Tensor:
