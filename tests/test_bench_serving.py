@@ -1,0 +1,54 @@
+"""``benchmarks/bench_serving.py``'s bound arithmetic and its argument checks, against values
+worked out by hand (the engine runs themselves are measurements, not tests)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("bench_serving", ROOT / "benchmarks" / "bench_serving.py")
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+@pytest.mark.parametrize("s, bound", [(0.0, 1.0), (0.5, 4 / 3), (0.8, 2 / 1.2), (1.0, 2.0)],
+                         ids=["none-skipped", "half", "80pct", "all"])
+def test_attention_bound_is_two_over_two_minus_s(s, bound):
+    assert bench.attention_bound(s) == pytest.approx(bound)
+
+
+@pytest.mark.parametrize("f, bound, step", [
+    (1.0, 4 / 3, 4 / 3),               # all of the step is attention: the step gains what attention gains
+    (0.0, 2.0, 1.0),                   # no attention: nothing to gain
+    (0.5, 4 / 3, 1 / (1 - 0.5 * 0.25)),  # half the step, attention 4/3: 1 / 0.875
+    (0.25, 2.0, 1 / (1 - 0.25 * 0.5)),
+], ids=["all-attention", "no-attention", "half-at-4/3", "quarter-at-2"])
+def test_step_bound_is_amdahl_of_the_attention_bound(f, bound, step):
+    assert bench.step_bound(f, bound) == pytest.approx(step)
+
+
+def test_unknown_inputs_give_no_bound():
+    assert bench.attention_bound(None) is None and bench.step_bound(None, 1.5) is None and bench.step_bound(0.3, None) is None
+
+
+def test_phase_timings_takes_the_least_disturbed_repeat_and_sums_counts():
+    runs = [{"window": {"decode": [2.0, 0.5, 8]}, "decoded": 8, "counts": {"decode": [10, 40]}},
+            {"window": {"decode": [1.5, 0.4, 8]}, "decoded": 8, "counts": {"decode": [30, 40]}}]
+    t = bench.phase_timings(runs, "decode")
+    assert (t["wall"], t["attn"], t["walls"]) == (1.5, 0.4, [2.0, 1.5])
+    assert t["sparsity"] == pytest.approx(40 / 80)
+
+
+@pytest.mark.parametrize("text, parsed", [("2048:1", [(2048, 1)]), ("2048:1, 8192:4", [(2048, 1), (8192, 4)]),
+                                          ("4096", [(4096, 1)])], ids=["one", "two", "default-n"])
+def test_workloads_parse(text, parsed):
+    assert bench.parse_workloads(text) == parsed
+
+
+@pytest.mark.parametrize("text", ["2048x1", "8:1", "2048:0", ","], ids=["bad-separator", "too-short", "no-seqs", "empty"])
+def test_bad_workloads_are_refused_with_the_expected_form(text):
+    with pytest.raises(SystemExit, match="LEN"):
+        bench.parse_workloads(text)
