@@ -155,6 +155,13 @@ def evaluate(args) -> int:
     output = Path(args.output)
     if output.is_dir() or not os.access(output.absolute().parent, os.W_OK):
         raise CliError(f"--output {output}: not a writable file path")
+    plot = Path(args.plot) if getattr(args, "plot", None) else None
+    if plot is not None:
+        from sparse_attn.evaluation.plot import require_matplotlib
+
+        if plot.is_dir() or not os.access(plot.absolute().parent, os.W_OK):
+            raise CliError(f"--plot {plot}: not a writable file path")
+        require_matplotlib()  # before any engine starts
     try:
         import vllm  # noqa: F401
     except ImportError as exc:
@@ -214,6 +221,10 @@ def evaluate(args) -> int:
     text = render(report)
     print(text)
     print(f"wrote {output}")
+    if plot is not None:
+        from sparse_attn.evaluation.plot import plot_report
+
+        print(f"wrote {plot_report(report, plot)}")
     return 0
 
 

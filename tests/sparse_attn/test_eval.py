@@ -467,5 +467,60 @@ def test_help_legend_names_the_new_columns():
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command").choices["eval"]
     text = sub.format_help()
-    for word in ("tokens ", "top-1 %", "prompts/min", "KL first", '"rest"'):
+    for word in ("--plot", "tokens ", "top-1 %", "prompts/min", "KL first", '"rest"'):
         assert word in text, word
+
+
+@pytest.mark.parametrize("variant", ["teacher-forced", "no-teacher-forced", "per-phase-target"])
+def test_plot_writes_a_png(tmp_path, variant):
+    pytest.importorskip("matplotlib")
+    from sparse_attn.evaluation.plot import plot_report
+
+    report = _report()
+    sparse = report["configs"][1]
+    if variant == "no-teacher-forced":
+        for key in ("answer_ll", "answer_ll_ci", "d_answer_ll", "d_answer_ll_ci"):
+            sparse["all"].pop(key, None)
+    if variant == "per-phase-target":  # served as calibrated: a target per phase
+        sparse["target"] = {"prefill": 0.4, "decode": 0.6}
+    out = plot_report(report, tmp_path / "sub" / "eval.png")
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+@pytest.mark.parametrize("mutate, message", [
+    pytest.param(lambda r: r["configs"].pop(1), "no sparse configuration", id="native-only"),
+    pytest.param(lambda r: r.pop("configs"), "no configurations", id="not-a-report"),
+    pytest.param(lambda r: r["configs"].reverse(), "not native vLLM", id="no-dense-first"),
+])
+def test_plot_refuses_a_report_it_cannot_draw(tmp_path, mutate, message):
+    from sparse_attn.evaluation.plot import PlotError, plot_report
+
+    report = _report()
+    mutate(report)
+    with pytest.raises(PlotError, match=message):
+        plot_report(report, tmp_path / "eval.png")
+    assert not (tmp_path / "eval.png").exists()
+
+
+def test_plot_without_matplotlib_says_how_to_fix(monkeypatch):
+    import sys
+
+    from sparse_attn.evaluation.plot import PlotError, require_matplotlib
+
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)  # import raises ImportError
+    with pytest.raises(PlotError, match=r"pip install matplotlib.*without --plot"):
+        require_matplotlib()
+
+
+def test_plot_redraws_from_a_written_report(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from sparse_attn.evaluation.plot import main
+    from sparse_attn.evaluation.report import write_report
+
+    write_report(tmp_path / "r.json", _report())
+    assert main([str(tmp_path / "r.json"), str(tmp_path / "r.png")]) == 0
+    assert (tmp_path / "r.png").stat().st_size > 10_000
+    (tmp_path / "native.json").write_text(json.dumps({"configs": [_report()["configs"][0]]}))
+    assert main([str(tmp_path / "native.json"), str(tmp_path / "n.png")]) == 2
+    assert "no sparse configuration" in capsys.readouterr().err
