@@ -27,6 +27,10 @@ class Generation:
     prompt_logprobs: tuple[tuple[float, int] | None, ...] | None
     #: Per generated step, the top-``logprobs`` tokens' log-probabilities (token id -> logprob), when requested.
     step_logprobs: tuple[dict[int, float], ...] | None = None
+    #: With ``prompt_top_from``: every entry vLLM returned (token id -> logprob: the top-``prompt_logprobs`` tokens
+    #: plus the prompt token itself) at each prompt position from that index on (position ``i``: the distribution of
+    #: token ``i`` given tokens ``< i``).
+    prompt_top: tuple[dict[int, float], ...] | None = None
 
 
 def eval_engine_kwargs(*, model: str, dtype: str, max_model_len: int, seed: int, backend: str | None = None,
@@ -88,18 +92,25 @@ def _logprob(entry: Any, token: int) -> tuple[float, int] | None:
     return float(item.logprob), int(item.rank) if item.rank is not None else 0
 
 
-def generate(llm: Any, prompts: Sequence[Sequence[int]], params: Any) -> list[Generation]:
-    """Run token-id ``prompts`` through ``llm`` (one batch, vLLM schedules it) and read the results."""
+def generate(llm: Any, prompts: Sequence[Sequence[int]], params: Any,
+             prompt_top_from: Sequence[int] | None = None) -> list[Generation]:
+    """Run token-id ``prompts`` through ``llm`` (one batch, vLLM schedules it) and read the results.
+    ``prompt_top_from[i]``: keep prompt ``i``'s returned prompt-logprob entries from that position on
+    (:attr:`Generation.prompt_top`; only those positions: a whole prompt's would be ``len(prompt) x (k + 1)`` floats)."""
     outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
     results = []
-    for out in outputs:
+    for j, out in enumerate(outputs):
         ids = tuple(int(t) for t in out.prompt_token_ids)
         plp = out.prompt_logprobs
         logprobs = None if plp is None else tuple(_logprob(plp[i], ids[i]) for i in range(len(ids)))
+        top = None
+        if plp is not None and prompt_top_from is not None:
+            top = tuple({int(t): float(lp.logprob) for t, lp in (plp[i] or {}).items()}  # position 0: None, {} here
+                        for i in range(prompt_top_from[j], len(ids)))
         first = out.outputs[0]
         steps = None
         if first.logprobs is not None:
             steps = tuple({int(t): float(lp.logprob) for t, lp in step.items()} for step in first.logprobs)
         results.append(Generation(prompt_token_ids=ids, token_ids=tuple(int(t) for t in first.token_ids),
-                                  text=first.text, prompt_logprobs=logprobs, step_logprobs=steps))
+                                  text=first.text, prompt_logprobs=logprobs, step_logprobs=steps, prompt_top=top))
     return results

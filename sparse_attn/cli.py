@@ -147,6 +147,11 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                         "generate batch then reads the prompt's KV from vLLM's prefix cache, so it costs the answer's few "
                         "tokens and the prompt-logprob computation, not a second prefill)")
     p.add_argument("--output", default="./sparse_attn_eval.json", help="JSON report (default ./sparse_attn_eval.json)")
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help="also write a PNG (needs matplotlib): match, LL delta and KL against the target, each with its "
+                        "interval, and achieved sparsity per phase against the target; a rerun with the same --workdir "
+                        "redraws it without starting an engine, and `python -m sparse_attn.evaluation.plot REPORT.json "
+                        "OUT.png` draws it from a written report")
     p.add_argument("--workdir", default=None, help="keep each engine's job, output and log here (default: a temporary directory); an engine whose "
                    "output for the same job is already there is not started again (resume; run targets one by one "
                    "with native vLLM once). Delete DIR after changing the code")

@@ -9,10 +9,14 @@ vLLM engine, runs each cell twice, and writes ``OUT``:
    (``ignore_eos``: every configuration decodes the same number of steps); wall time and, with the
    plugin, the workers' tile counters per phase for exactly this batch (read and reset through the
    stats RPC around it);
-   with the top-``TOP_K`` log-probabilities of the first generated step (the distribution the answer
-   is read from: its first token's logprob and the KL against dense come from it, at no extra cost);
+   with the top-``TOP_K`` log-probabilities of every generated step (``steps``; vLLM's ``logprobs=K``
+   returns the sampled token plus the top K, and greedy samples the argmax, so K entries): the first
+   step is the distribution the answer is read from (``first_step``: its first token's logprob), every
+   step feeds the KL and top-1 agreement against dense (:mod:`sparse_attn.evaluation.metrics`);
 2. **teacher-forced** (``teacher_forced`` in the job, ``--teacher_forced``): prompt + answer tokens, one new
-   token, ``prompt_logprobs=0``: each answer token's logprob and rank given the true tokens before it.
+   token, ``prompt_logprobs=TOP_K``: each answer token's logprob and rank given the true tokens before it
+   (``answer_logprobs``) and, at each answer position, every entry vLLM returned (``answer_top``: the top
+   K plus the answer token itself when it is not among them).
    It runs *first*, computing every token (the prefill whose tile counts are the cell's prefill
    sparsity), with vLLM's prefix cache on; the generate batch then reads the prompt's full KV blocks
    from the cache and computes only the prompt's last partial block and the decode steps, so one
@@ -34,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 PROGRESS_PREFIX = "EVAL-PROGRESS"
-#: Top log-probabilities kept of the first generated step.
+#: Top log-probabilities kept at each generated step and answer position (what the KL is computed over).
 TOP_K = 20
 
 
@@ -42,6 +46,14 @@ def _phase_counts(snapshots: list[dict]) -> dict[str, dict[str, int]]:
     from sparse_attn.protocol import PHASES, phase_totals
 
     return {phase: phase_totals(snapshots, phase) for phase in PHASES}
+
+
+def _answer_top(forced: Any, answer: list[int]) -> list[dict[str, float]]:
+    """The returned prompt-logprob entries (token id -> logprob) at each answer position."""
+    got = forced.prompt_top or ()
+    if len(got) != len(answer):
+        raise RuntimeError(f"teacher-forced pass returned {len(got)} answer distributions for {len(answer)} answer tokens")
+    return [{str(t): lp for t, lp in d.items()} for d in got]
 
 
 def _answer_logprobs(forced: Any, prompt: list[int], answer: list[int]) -> list[list[float]]:
@@ -54,11 +66,15 @@ def _answer_logprobs(forced: Any, prompt: list[int], answer: list[int]) -> list[
 
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    """Run one job; ``job_s`` in the result: its wall time from before vLLM's import to the last cell (engine start
+    included: what the eval's throughput is measured on)."""
+    t0 = time.monotonic()
     from compat import offline
     from sparse_attn.protocol import STATS_RPC
     from vllm import LLM
 
     sparse = job["section"] is not None
+    top_k = int(job.get("top_k", TOP_K))
     forced_mode = bool(job.get("teacher_forced"))
     overrides = {"sparse_attention_config": job["section"]} if sparse else None
     t = time.monotonic()
@@ -82,16 +98,17 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     if sparse:
         snap = stats()
         layers = [[s["layers_installed"], s["layers_total"]] for s in snap]
-    gen_params = offline.sampling_params(max_tokens=job["decode_tokens"], logprobs=TOP_K,
+    gen_params = offline.sampling_params(max_tokens=job["decode_tokens"], logprobs=top_k,
                                          read_prefix_cache=True if forced_mode else None)
-    tf_params = offline.sampling_params(max_tokens=1, prompt_logprobs=0, read_prefix_cache=False if forced_mode else None)
+    tf_params = offline.sampling_params(max_tokens=1, prompt_logprobs=top_k, read_prefix_cache=False if forced_mode else None)
     cells = []
     total = len(job["cells"])
     for k, cell in enumerate(job["cells"]):
         forced, tf_s, tf_counts = None, 0.0, None
         if forced_mode:
             t = time.monotonic()
-            forced = offline.generate(llm, [p + a for p, a in zip(cell["prompts"], cell["answer_ids"])], tf_params)
+            forced = offline.generate(llm, [p + a for p, a in zip(cell["prompts"], cell["answer_ids"])], tf_params,
+                                      prompt_top_from=[len(p) for p in cell["prompts"]])
             tf_s = time.monotonic() - t
             tf_counts = _phase_counts(stats()) if sparse else None
         t = time.monotonic()
@@ -102,13 +119,16 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
             "task": cell["task"], "length": cell["length"],
             "generated": [list(g.token_ids) for g in gens], "text": [g.text for g in gens],
             "first_step": [{str(k): v for k, v in (g.step_logprobs or ({},))[0].items()} for g in gens],
+            "steps": [[{str(k): v for k, v in step.items()} for step in (g.step_logprobs or ())] for g in gens],
             "answer_logprobs": None if forced is None else
             [_answer_logprobs(f, p, a) for f, p, a in zip(forced, cell["prompts"], cell["answer_ids"])],
+            "answer_top": None if forced is None else [_answer_top(f, a) for f, a in zip(forced, cell["answer_ids"])],
             "generate_s": gen_s, "teacher_forced_s": tf_s, "counts": gen_counts, "teacher_forced_counts": tf_counts,
             "prefill_shared": forced_mode,
         })
         print(f"{PROGRESS_PREFIX} {k + 1} {total}", flush=True)
-    return {"engine_start_s": started_s, "layers": layers, "cells": cells}
+    return {"engine_start_s": started_s, "layers": layers, "cells": cells, "top_k": top_k,
+            "job_s": time.monotonic() - t0}
 
 
 def main(argv: list[str]) -> int:

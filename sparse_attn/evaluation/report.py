@@ -9,19 +9,30 @@ from typing import Any
 
 #: What each column means; printed under the tables and in ``sparse-attn eval --help``.
 LEGEND = """\
+N            prompts each number stands on (the independent unit: every +- is a 95 % interval over prompts,
+             per-prompt means first; normal approximation 1.96 sd / sqrt(N))
+tokens       positions the KL and top-1 stand on, all prompts together: every teacher-forced answer position
+             (with --teacher_forced) and every greedy step up to and including the first one where sparse's token
+             differs from dense's (after it the contexts differ)
+KL           the headline: KL(dense || sparse) of the next-token distribution (nats, 0 = identical), mean over those
+             positions per prompt, then over prompts, +- its interval; over dense's top 20 tokens plus one "rest"
+             bucket (1 - their probability); a token of dense's top 20 outside sparse's gets sparse's 20th logprob
+top-1 %      fraction of those positions where sparse's most likely token is dense's, per prompt, then over prompts
 match        fraction of answers found in the greedy output (RULER string_match_all), mean over prompts
  (delta)     sparse minus dense on the same prompts, in points, +- its 95 % interval (paired)
 first LP     log-probability of the answer's first token where the answer is read (first generated step;
              nats; 0 is certain): moves with the answer's probability, where match moves only when a token flips
  (delta)     sparse minus dense, paired; negative = the answer became less likely
-KL           KL(dense || sparse) of that step's next-token distribution (nats, over dense's top 20)
+KL first     the KL of the first generated step alone (the distribution the answer is read from)
 answer LL    with --teacher_forced: mean log-likelihood of all answer tokens given the true ones before them
 agree        greedy tokens equal to dense at the same position / tokens generated (prefix: before the first difference)
 sparsity     KV tiles skipped / visited per phase (the workers' counters): prefill of every prompt token,
              decode of the generated steps (with --teacher_forced the prefill is that pass's, which the
              generate batch then reads from vLLM's prefix cache: one prefill per prompt for both)
 gen s        wall time of the generate batches, plus the teacher-forced pass with --teacher_forced (native vLLM
-             vs the plugin, same engine settings, same run)"""
+             vs the plugin, same engine settings, same run)
+prompts/min  the eval's own pace per engine run: its prompts over the wall time of its whole job (vLLM's import,
+             engine start, warm-up and every pass; the job's seconds in brackets)"""
 
 
 def write_report(path: Path, report: dict[str, Any]) -> None:
@@ -69,6 +80,20 @@ def _phase_sp(config: dict, sparsity: dict | None, phase: str) -> str:
     return _pct(sparsity.get(phase)) if sparsity else "-"
 
 
+def _kl(summary: dict, key: str = "kl_all") -> str:
+    if summary.get(key) is None:
+        return "-"
+    ci = summary.get(key + "_ci")
+    return f"{summary[key]:.4f}" + (f"+-{ci:.4f}" if ci is not None and key == "kl_all" else "")
+
+
+def _pace(config: dict) -> str:
+    t = config.get("throughput") or {}
+    if not t.get("prompts_per_min"):
+        return "-"
+    return f"{t['prompts_per_min']:.1f} ({t['job_s']:.0f} s)"
+
+
 def render(report: dict[str, Any]) -> str:
     configs = report["configs"]
     dense = configs[0]
@@ -79,17 +104,18 @@ def render(report: dict[str, Any]) -> str:
         a = c["all"]
         sp = a.get("sparsity") or {}
         rows.append([
-            _target(c), str(a["n"]), _pct(a["match"]), _delta(a.get("d_match"), a.get("d_match_ci")),
-            f"{a['first_lp']:.3f}", _delta(a.get("d_first_lp"), a.get("d_first_lp_ci"), 1.0, 3),
-            f"{a['kl']:.4f}" if a.get("kl") is not None else "-",
+            _target(c), str(a["n"]), str(a["tokens"]) if a.get("tokens") is not None else "-", _kl(a),
+            _pct(a["top1"]) + "+-" + _pct(a.get("top1_ci")) if a.get("top1") is not None else "-",
+            _pct(a["match"]), _delta(a.get("d_match"), a.get("d_match_ci")),
+            f"{a['first_lp']:.3f}", _delta(a.get("d_first_lp"), a.get("d_first_lp_ci"), 1.0, 3), _kl(a, "kl"),
             _delta(a.get("d_answer_ll"), a.get("d_answer_ll_ci"), 1.0, 3) if "answer_ll" in a else "-",
             _pct(a["agreement"]) if not c["native"] else "-",
             _phase_sp(c, sp, "prefill"), _phase_sp(c, sp, "decode"),
             f"{wall(c):.1f} ({wall(c) / native_s:.2f}x)" if native_s else f"{wall(c):.1f}",
-            _layers(c),
+            _pace(c), _layers(c),
         ])
-    header = ["target", "n", "match %", "(delta pts)", "first LP", "(delta)", "KL", "answer LL delta", "agree %",
-              "prefill sp %", "decode sp %", "gen s (x native)", "layers"]
+    header = ["target", "N", "tokens", "KL (nats)", "top-1 %", "match %", "(delta pts)", "first LP", "(delta)", "KL first",
+              "answer LL delta", "agree %", "prefill sp %", "decode sp %", "gen s (x native)", "prompts/min", "layers"]
     out = [f"=== sparse-attn eval: {report['checkpoint']} | tasks {', '.join(report['tasks'])} | lengths "
            f"{', '.join(map(str, report['lengths']))} | {report['samples_per_cell']} prompts per cell | "
            f"{report['decode_tokens']} decode tokens | seed {report['seed']} ===", "", "all cells pooled:",
@@ -98,12 +124,13 @@ def render(report: dict[str, Any]) -> str:
         detail = []
         for r, d in zip(c["cells"], dense["cells"]):
             sp = r.get("sparsity") or {}
-            detail.append([r["task"], str(r["length"]), str(r["n"]), _pct(d["match"], 0), _pct(r["match"], 0),
+            detail.append([r["task"], str(r["length"]), str(r["n"]), str(r.get("tokens", "-")), _kl(r),
+                           _pct(r["top1"], 0) if r.get("top1") is not None else "-", _pct(d["match"], 0), _pct(r["match"], 0),
                            _delta(r.get("d_match"), r.get("d_match_ci"), digits=0), f"{d['first_lp']:.2f}",
                            _delta(r.get("d_first_lp"), r.get("d_first_lp_ci"), 1.0, 3), _pct(r["agreement"], 0),
                            _phase_sp(c, sp, "prefill"), _phase_sp(c, sp, "decode")])
         out += ["", f"target {_target(c)} per task and length (dense beside it):",
-                _table(detail, ["task", "len", "n", "dense match", "match", "(delta)", "dense first LP", "first LP delta", "agree",
+                _table(detail, ["task", "len", "N", "tokens", "KL", "top-1", "dense match", "match", "(delta)", "dense first LP", "first LP delta", "agree",
                                 "prefill sp", "decode sp"])]
     dense_phases = [f"target {_target(c)}: {', '.join(c['never_skips'])}" for c in configs if c.get("never_skips")]
     if dense_phases:

@@ -23,7 +23,7 @@ from typing import Any
 from compat import envs
 from sparse_attn.errors import CliError
 from sparse_attn.evaluation import metrics
-from sparse_attn.evaluation.engine import PROGRESS_PREFIX
+from sparse_attn.evaluation.engine import PROGRESS_PREFIX, TOP_K
 from sparse_attn.protocol import PHASES
 from sparse_attn.workloads.lengths import TASK_PROMPT_MARGIN, default_lengths
 from sparse_attn.workloads.tasks import EVAL_TASKS, build_samples
@@ -155,6 +155,13 @@ def evaluate(args) -> int:
     output = Path(args.output)
     if output.is_dir() or not os.access(output.absolute().parent, os.W_OK):
         raise CliError(f"--output {output}: not a writable file path")
+    plot = Path(args.plot) if getattr(args, "plot", None) else None
+    if plot is not None:
+        from sparse_attn.evaluation.plot import require_matplotlib
+
+        if plot.is_dir() or not os.access(plot.absolute().parent, os.W_OK):
+            raise CliError(f"--plot {plot}: not a writable file path")
+        require_matplotlib()  # before any engine starts
     try:
         import vllm  # noqa: F401
     except ImportError as exc:
@@ -185,6 +192,9 @@ def evaluate(args) -> int:
                 "backend": args.attention_backend, "decode_tokens": args.decode_tokens,
                 "kv_cache_bytes": _kv_cache_bytes(model_cfg, args.samples * (max_model_len + 16)),
                 "teacher_forced": bool(args.teacher_forced),
+                # what the engine records (every step's and answer position's top-k): a --workdir output of an
+                # older engine, which kept the first step's alone, is another job and runs again
+                "top_k": TOP_K, "records": ["steps", "answer_top", "job_s"],
                 "cells": [{k: c[k] for k in ("task", "length", "prompts", "answer_ids")} for c in cells]}
     at_target = {f"target {t:g}" if t is not None else "as calibrated": _config_at(config, t) for t in targets}
     configs = [("dense", None)] + [(label, cfg.to_dict()) for label, cfg in at_target.items()]
@@ -211,7 +221,19 @@ def evaluate(args) -> int:
     text = render(report)
     print(text)
     print(f"wrote {output}")
+    if plot is not None:
+        from sparse_attn.evaluation.plot import plot_report
+
+        print(f"wrote {plot_report(report, plot)}")
     return 0
+
+
+def _throughput(prompts: int, res: dict) -> dict[str, Any]:
+    """The engine run's own pace: its prompts over the wall time of its whole job (vLLM's import, the engine start,
+    the warm-up and every cell's passes; ``job_s``, measured inside the engine process)."""
+    job_s = res.get("job_s")
+    return {"prompts": prompts, "job_s": None if job_s is None else round(job_s, 1),
+            "prompts_per_min": round(60.0 * prompts / job_s, 2) if job_s else None}
 
 
 def _assemble(cells, configs, results, targets, config, args, samples) -> dict[str, Any]:
@@ -221,6 +243,7 @@ def _assemble(cells, configs, results, targets, config, args, samples) -> dict[s
     answer_ids = {(c["task"], c["length"]): c["answer_ids"] for c in cells}
     dense_scores = {(c["task"], c["length"]): metrics.sample_scores(c, answers[(c["task"], c["length"])],
                                                                     answer_ids[(c["task"], c["length"])]) for c in dense["cells"]}
+    top_k = dense.get("top_k")
     out_configs = []
     for (label, section), target in zip(configs, [None] + list(targets)):
         res = results[label]
@@ -231,7 +254,7 @@ def _assemble(cells, configs, results, targets, config, args, samples) -> dict[s
         for cell, dcell in zip(res["cells"], dense["cells"]):
             key = (cell["task"], cell["length"])
             is_dense = section is None
-            scores = metrics.sample_scores(cell, answers[key], answer_ids[key], None if is_dense else dcell)
+            scores = metrics.sample_scores(cell, answers[key], answer_ids[key], None if is_dense else dcell, top_k)
             counts = metrics.cell_counts(cell)
             summary = metrics.summarise(scores, None if is_dense else dense_scores[key])
             equal, prefix, total = metrics.agreement(cell["generated"], dcell["generated"])
@@ -257,6 +280,7 @@ def _assemble(cells, configs, results, targets, config, args, samples) -> dict[s
                     "agreement": equal / total if total else None, "agreement_prefix": prefix / total if total else None,
                     "sparsity": metrics.sparsity(totals), "counts": totals,
                     "generate_s": round(gen_s, 2), "teacher_forced_s": round(tf_s, 2)},
+            "throughput": _throughput(len(pooled), res),
             "cells": rows,
         })
     return {

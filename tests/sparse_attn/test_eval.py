@@ -113,8 +113,11 @@ def test_scores_and_agreement():
     assert [s["forced_exact"] for s in scores] == [1.0, 0.0, 0.0]
     assert scores[0]["answer_ll"] == pytest.approx(-0.2)
     assert scores[1]["kl"] == pytest.approx(0.0)
-    # token 4 is missing from sparse's top-k: it gets sparse's smallest logprob (-1.0)
-    assert scores[2]["kl"] == pytest.approx(math.exp(-0.4) * (-0.4 + 0.5) + math.exp(-1.2) * (-1.2 + 1.0))
+    # token 4 is missing from sparse's top-2: it gets sparse's 2nd logprob (-1.0); the rest bucket holds what dense's
+    # top-2 leave (1 - e^-0.4 - e^-1.2) against what sparse gives the rest (1 - e^-0.5 - e^-1.0)
+    p_rest, q_rest = 1 - math.exp(-0.4) - math.exp(-1.2), 1 - math.exp(-0.5) - math.exp(-1.0)
+    assert scores[2]["kl"] == pytest.approx(math.exp(-0.4) * (-0.4 + 0.5) + math.exp(-1.2) * (-1.2 + 1.0)
+                                            + p_rest * math.log(p_rest / q_rest))
     assert metrics.agreement([[1, 2, 3], [4, 5, 6]], [[1, 9, 3], [4, 5, 6]]) == (5, 4, 6)
     s = metrics.summarise(scores, [{"match": 1.0, "first_lp": 0.0, "answer_ll": 0.0, "forced_exact": 1.0}] * 3)
     assert s["n"] == 3 and s["d_match"] == pytest.approx((0 - 1 + (2 / 3 - 1)) / 3) and "kl" in s and "d_kl" not in s
@@ -179,7 +182,9 @@ def test_report_puts_dense_beside_every_sparse_number(tmp_path):
                        [0.5], config, args, None)
     pooled = report["configs"][1]["all"]
     assert pooled["match"] == 0.5 and pooled["d_match"] == -0.5 and pooled["sparsity"] == {"prefill": 0.5, "decode": 0.5}
-    assert pooled["d_first_lp"] == pytest.approx(-0.5) and pooled["kl"] == pytest.approx(math.exp(-0.2) * 1.0 / 2)
+    # the second prompt's first step: top-1 {8} plus the rest bucket, 1 - e^-0.2 against 1 - e^-1.2
+    kl_second = math.exp(-0.2) * 1.0 + (1 - math.exp(-0.2)) * math.log((1 - math.exp(-0.2)) / (1 - math.exp(-1.2)))
+    assert pooled["d_first_lp"] == pytest.approx(-0.5) and pooled["kl"] == pytest.approx(kl_second / 2)
     text = render(report)
     assert "dense" in text and "0.5" in text and "(1.50x)" in text and "30/30 layers sparse" in text
     native_only = _assemble(cells, [("dense", None)], {"dense": dense}, [], config, args, None)  # --targets none
@@ -303,3 +308,219 @@ def test_workdir_resumes_only_an_engine_whose_job_is_unchanged(tmp_path, monkeyp
     (tmp_path / "out-dense.json").unlink()
     run._run_engine({**job, "section": {"t": 0.7}}, "dense", tmp_path, {}, bar)
     assert started == [None, {"t": 0.7}, {"t": 0.7}]
+
+
+# --- the headline KL, top-1 agreement, the table's counts, throughput and the plot ---------------------------------
+
+L = math.log  # the made-up distributions below are written as probabilities; the engines hand logprobs
+
+
+@pytest.mark.parametrize("dense, sparse, k, expected", [
+    pytest.param({"1": L(0.6), "2": L(0.3)}, {"1": L(0.6), "2": L(0.3)}, 2, 0.0, id="identical"),
+    # 0.6 ln(0.6/0.5) + 0.3 ln(0.3/0.2) + rest 0.1 ln(0.1/0.3)
+    pytest.param({"1": L(0.6), "2": L(0.3)}, {"1": L(0.5), "2": L(0.2)}, 2, 0.121171, id="same-tokens-rest-bucket"),
+    # token 2 is outside sparse's top 2: it gets sparse's 2nd probability, 0.25; sparse's rest is 1 - 0.6 - 0.25
+    # 0.7 ln(0.7/0.6) + 0.2 ln(0.2/0.25) + 0.1 ln(0.1/0.15)
+    pytest.param({"1": L(0.7), "2": L(0.2)}, {"1": L(0.6), "3": L(0.25)}, 2, 0.0227303, id="token-outside-sparse-topk"),
+    # prompt_logprobs=2 also returns the prompt token (9, rank 5 here): with k=2 it falls in the rest bucket, whose
+    # mass is 0.1 on both sides, so the KL is 0 although token 9's own probability differs
+    pytest.param({"1": L(0.7), "2": L(0.2), "9": L(0.01)}, {"1": L(0.7), "2": L(0.2), "9": L(0.05)}, 2, 0.0,
+                 id="prompt-token-beyond-k-goes-to-rest"),
+    # a float32 top logprob of 0.0: sparse's rest is 1 - 1 - e^-30 < 0, floored at 1e-12, so the KL stays finite:
+    # 0.9 ln(0.9/1) + 0.05 (ln 0.05 + 30) + 0.05 ln(0.05 / 1e-12)
+    pytest.param({"1": L(0.9), "2": L(0.05)}, {"1": 0.0, "2": -30.0}, 2, 2.4871533, id="rest-floor"),
+])
+def test_kl_topk_against_hand_computation(dense, sparse, k, expected):
+    assert metrics.kl_topk(dense, sparse, k) == pytest.approx(expected, abs=1e-6)
+
+
+@pytest.mark.parametrize("dist, expected", [
+    pytest.param({"4": -0.1, "9": -2.0}, "4", id="clear-argmax"),
+    pytest.param({"9": -0.7, "4": -0.7, "5": -3.0}, "4", id="tie-goes-to-smaller-id"),
+])
+def test_argmax(dist, expected):
+    assert metrics.argmax(dist) == expected
+
+
+def _steps(n):
+    return [{"1": L(0.5), "2": L(0.4)} for _ in range(n)]
+
+
+@pytest.mark.parametrize("sparse_gen, dense_gen, expected_steps", [
+    pytest.param([5, 6, 7, 8], [5, 6, 9, 8], 3, id="diverges-at-step-2-keeps-0-to-2"),
+    pytest.param([5, 6, 7, 8], [5, 6, 7, 8], 4, id="never-diverges-keeps-all"),
+    pytest.param([1, 6, 7, 8], [5, 6, 7, 8], 1, id="diverges-at-step-0-keeps-step-0"),
+])
+def test_generated_positions_end_at_the_first_divergence(sparse_gen, dense_gen, expected_steps):
+    sparse = {"generated": [sparse_gen], "steps": [_steps(4)], "answer_top": [[{"1": -0.1}, {"2": -0.2}]]}
+    dense = {"generated": [dense_gen], "steps": [_steps(4)], "answer_top": [[{"1": -0.1}, {"2": -0.3}]]}
+    got = metrics.positions(sparse, dense, 0)
+    assert len(got["generated"]) == expected_steps
+    assert got["forced"] == [({"1": -0.1}, {"1": -0.1}), ({"2": -0.3}, {"2": -0.2})]  # every answer position, (dense, sparse)
+
+
+def _prompt(text, gen, steps, answer_top):
+    return {"text": text, "generated": gen, "first_step": steps[0], "steps": steps, "answer_top": answer_top}
+
+
+def _cell(*prompts):
+    return {k: [p[k] for p in prompts] for k in prompts[0]}
+
+
+SAME = {"1": L(0.6), "2": L(0.3)}
+CLOSE = {"1": L(0.5), "2": L(0.2)}  # against SAME: KL 0.121171, same argmax
+FLIP_D, FLIP_S = {"1": L(0.4), "2": L(0.35)}, {"2": L(0.5), "1": L(0.3)}  # KL 0.0460225, argmax 1 vs 2
+WILD = {"7": L(0.99), "1": L(0.001)}  # only ever after a divergence: must not count
+
+
+def test_headline_kl_and_top1_are_per_prompt_means_then_over_prompts():
+    """Prompt A: 2 greedy steps (no divergence) and 1 answer position: KLs 0, 0.121171, 0 (mean 0.0403903), top-1 3/3.
+    Prompt B: diverges at step 0 (step 1 is WILD and must not count) and 1 answer position: KLs 0.0460225, 0
+    (mean 0.0230113), top-1 1/2. Over the 2 prompts: mean 0.0317008, 95 % half-width 1.96 * sd / sqrt(2) with
+    sd = |a - b| / sqrt(2), i.e. 0.98 * 0.0173790 = 0.0170314; top-1 mean 0.75, half-width 1.96 * 0.353553 / sqrt(2) = 0.49."""
+    dense = _cell(_prompt(" 1", [1, 1], [SAME, SAME], [SAME]), _prompt(" 3", [3, 2], [FLIP_D, SAME], [SAME]))
+    sparse = _cell(_prompt(" 1", [1, 1], [SAME, CLOSE], [SAME]), _prompt(" 1", [1, 2], [FLIP_S, WILD], [SAME]))
+    scores = metrics.sample_scores(sparse, [["1"], ["3"]], [[1], [3]], dense, top_k=2)
+    assert [s["tokens"] for s in scores] == [3, 2]
+    assert [s["kl_all"] for s in scores] == [pytest.approx(0.0403903, abs=1e-6), pytest.approx(0.0230113, abs=1e-6)]
+    assert [s["top1"] for s in scores] == [1.0, 0.5]
+    assert [s["tokens_generated"] for s in scores] == [2, 1] and [s["tokens_forced"] for s in scores] == [1, 1]
+    summary = metrics.summarise(scores, metrics.sample_scores(dense, [["1"], ["3"]], [[1], [3]]))
+    assert summary["kl_all"] == pytest.approx(0.0317008, abs=1e-6)
+    assert summary["kl_all_ci"] == pytest.approx(0.0170314, abs=1e-6)
+    assert summary["top1"] == 0.75 and summary["top1_ci"] == pytest.approx(0.49)
+    assert summary["n"] == summary["kl_n"] == 2 and summary["tokens"] == 5
+    assert "d_kl_all" not in summary and "d_top1" not in summary  # already paired against dense
+
+
+def test_generate_keeps_every_returned_entry_at_the_answer_positions():
+    """compat.offline.generate on a RequestOutput-shaped fake: prompt_logprobs=2 returns the top 2 plus the prompt
+    token itself at each position (None at position 0); prompt_top keeps them from the given position on."""
+    from types import SimpleNamespace
+
+    from compat import offline
+
+    lp = lambda logprob, rank: SimpleNamespace(logprob=logprob, rank=rank)
+    plp = [None, {11: lp(-0.5, 1), 12: lp(-1.0, 2)}, {13: lp(-0.2, 1), 11: lp(-2.5, 2), 14: lp(-6.0, 9)},
+           {15: lp(-0.1, 1), 11: lp(-3.0, 2)}]
+
+    class FakeLLM:
+        def generate(self, prompts, params, use_tqdm):
+            return [SimpleNamespace(prompt_token_ids=[10, 11, 14, 15], prompt_logprobs=plp,
+                                    outputs=[SimpleNamespace(token_ids=[3], text="x", logprobs=None)])]
+
+    got = offline.generate(FakeLLM(), [[10, 11, 14, 15]], params=None, prompt_top_from=[2])[0]
+    assert got.prompt_top == ({13: -0.2, 11: -2.5, 14: -6.0}, {15: -0.1, 11: -3.0})
+    assert got.prompt_logprobs == (None, (-0.5, 1), (-6.0, 9), (-0.1, 1))  # each prompt token's own (logprob, rank)
+    assert offline.generate(FakeLLM(), [[10, 11, 14, 15]], params=None)[0].prompt_top is None
+
+
+def _engine_out(gen, steps, answer_top, counts, gen_s, job_s):
+    return {"engine_start_s": 20.0, "layers": [[30, 30]] if counts else None, "top_k": 2, "job_s": job_s, "cells": [{
+        "task": "niah_single", "length": 1024, "generated": gen, "text": [" 1", " 3"], "first_step": [s[0] for s in steps],
+        "steps": steps, "answer_logprobs": [[[-0.5, 1]], [[-0.5, 1]]], "answer_top": answer_top, "generate_s": gen_s,
+        "teacher_forced_s": 1.0, "counts": counts, "teacher_forced_counts": None}]}
+
+
+def _report():
+    """_assemble on a native and a target-0.5 engine output: the two prompts of the test above."""
+    from types import SimpleNamespace
+
+    from sparse_attn.evaluation.run import _assemble
+
+    cells = [{"task": "niah_single", "length": 1024, "prompts": [[1, 2], [3, 4]], "answer_ids": [[1], [3]],
+              "answers": [["1"], ["3"]]}]
+    counts = {"prefill": {"skipped": 45, "visited": 100, "launches": 1, "native_launches": 0, "dense_launches": 0},
+              "decode": {"skipped": 30, "visited": 60, "launches": 2, "native_launches": 0, "dense_launches": 0}}
+    dense = _engine_out([[1, 1], [3, 2]], [[SAME, SAME], [FLIP_D, SAME]], [[SAME], [SAME]], None, 2.0, 60.0)
+    sparse = _engine_out([[1, 1], [1, 2]], [[SAME, CLOSE], [FLIP_S, WILD]], [[SAME], [SAME]], counts, 3.0, 40.0)
+    return _assemble(cells, [("dense", None), ("target 0.5", {"x": 1})], {"dense": dense, "target 0.5": sparse}, [0.5],
+                     SimpleNamespace(calibrated_phases=("prefill", "decode")),
+                     SimpleNamespace(checkpoint="ckpt", seed=0, samples=2, decode_tokens=2), None)
+
+
+def test_the_table_says_what_each_number_stands_on():
+    """The pooled row: N prompts, tokens (positions), KL +- interval, top-1 +- interval, and each engine run's pace
+    (2 prompts in a 40 s job: 3.0 prompts/min; native's 60 s job: 2.0)."""
+    from sparse_attn.evaluation.report import render
+
+    report = _report()
+    sparse = report["configs"][1]
+    assert sparse["all"]["tokens"] == 5 and sparse["all"]["kl_n"] == 2
+    assert sparse["throughput"] == {"prompts": 2, "job_s": 40.0, "prompts_per_min": 3.0}
+    assert report["configs"][0]["throughput"]["prompts_per_min"] == 2.0
+    text = render(report)
+    lines = text.splitlines()
+    header = next(line for line in lines if line.startswith("target "))
+    for column in ("N", "tokens", "KL (nats)", "top-1 %", "KL first", "prompts/min"):
+        assert f"  {column}  " in header, column
+    row = re.split(r"\s{2,}", next(line for line in lines if line.startswith("0.5 ")))
+    assert row[:5] == ["0.5", "2", "5", "0.0317+-0.0170", "75.0+-49.0"] and "3.0 (40 s)" in row
+    dense_row = next(line for line in lines if line.startswith("dense "))
+    assert "2.0 (60 s)" in dense_row
+    print(text)
+
+
+def test_help_legend_names_the_new_columns():
+    from sparse_attn.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices["eval"]
+    text = sub.format_help()
+    for word in ("--plot", "tokens ", "top-1 %", "prompts/min", "KL first", '"rest"'):
+        assert word in text, word
+
+
+@pytest.mark.parametrize("variant", ["teacher-forced", "no-teacher-forced", "per-phase-target"])
+def test_plot_writes_a_png(tmp_path, variant):
+    pytest.importorskip("matplotlib")
+    from sparse_attn.evaluation.plot import plot_report
+
+    report = _report()
+    sparse = report["configs"][1]
+    if variant == "no-teacher-forced":
+        for key in ("answer_ll", "answer_ll_ci", "d_answer_ll", "d_answer_ll_ci"):
+            sparse["all"].pop(key, None)
+    if variant == "per-phase-target":  # served as calibrated: a target per phase
+        sparse["target"] = {"prefill": 0.4, "decode": 0.6}
+    out = plot_report(report, tmp_path / "sub" / "eval.png")
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+@pytest.mark.parametrize("mutate, message", [
+    pytest.param(lambda r: r["configs"].pop(1), "no sparse configuration", id="native-only"),
+    pytest.param(lambda r: r.pop("configs"), "no configurations", id="not-a-report"),
+    pytest.param(lambda r: r["configs"].reverse(), "not native vLLM", id="no-dense-first"),
+])
+def test_plot_refuses_a_report_it_cannot_draw(tmp_path, mutate, message):
+    from sparse_attn.evaluation.plot import PlotError, plot_report
+
+    report = _report()
+    mutate(report)
+    with pytest.raises(PlotError, match=message):
+        plot_report(report, tmp_path / "eval.png")
+    assert not (tmp_path / "eval.png").exists()
+
+
+def test_plot_without_matplotlib_says_how_to_fix(monkeypatch):
+    import sys
+
+    from sparse_attn.evaluation.plot import PlotError, require_matplotlib
+
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)  # import raises ImportError
+    with pytest.raises(PlotError, match=r"pip install matplotlib.*without --plot"):
+        require_matplotlib()
+
+
+def test_plot_redraws_from_a_written_report(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from sparse_attn.evaluation.plot import main
+    from sparse_attn.evaluation.report import write_report
+
+    write_report(tmp_path / "r.json", _report())
+    assert main([str(tmp_path / "r.json"), str(tmp_path / "r.png")]) == 0
+    assert (tmp_path / "r.png").stat().st_size > 10_000
+    (tmp_path / "native.json").write_text(json.dumps({"configs": [_report()["configs"][0]]}))
+    assert main([str(tmp_path / "native.json"), str(tmp_path / "n.png")]) == 2
+    assert "no sparse configuration" in capsys.readouterr().err

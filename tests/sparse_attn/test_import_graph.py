@@ -129,7 +129,8 @@ ALLOWED: dict[str, frozenset[str]] = {name: frozenset(deps) for name, deps in {
     "warmup": ("kernels", "protocol", "stats"),  # the install warm-up: kernel launches, the stats counters
     "plugin": ("adapter", "compat", "config", "kernels", "protocol", "settings", "stats", "warmup"),
     "calibration": ("compat", "config", "errors", "jsonio", "kernels", "protocol", "settings", "workloads"),
-    "evaluation": ("compat", "config", "errors", "protocol", "settings", "workloads"),
+    # jsonio: the report a user hands back to `python -m sparse_attn.evaluation.plot` to redraw it
+    "evaluation": ("compat", "config", "errors", "jsonio", "protocol", "settings", "workloads"),
     "demo": ("compat", "config", "errors", "models", "protocol", "settings", "workloads"),
     "cli": ("calibration", "compat", "config", "demo", "errors", "evaluation", "jsonio", "models", "protocol",
             "settings", "workloads"),
