@@ -107,7 +107,7 @@ def query_tile(q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor, scaling: flo
     * ``bound[P]`` [G, n]: the same with ``scale * ub`` (largest over the tile's P-pages) for the tile
       max and the same ``m_before``: ruled out without reading K iff ``< lambda``;
     * ``page[P]`` [G, n, TILE_K // P] (P < TILE_K): per page of the tile, NaN where the page is past
-      ``kv_len``.
+      ``kv_len`` or no row sees any of it (a window's start: no K read to save there).
 
     Asserts ``scale * ub >= tile_max`` for every row and tile (so ``bound >= ratio``)."""
     g, r, d = q.shape
@@ -165,7 +165,10 @@ def query_tile(q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor, scaling: flo
         if per > 1:
             pr = ratio_of(ub)                                                               # [G, n, per]
             pr[:, anchor] = math.inf
+            # Pages past kv_len, or that no row sees (before a window), are no K read to save.
             exists = (c0 + torch.arange(n * per) * p < kv_len).view(n, per)
+            exists = exists & ~torch.nn.functional.pad(unseen.all(0), (0, n * per - unseen.shape[1]),
+                                                       value=True).view(n, per)
             out["page"][p] = torch.where(exists, pr, math.nan)
     return out
 

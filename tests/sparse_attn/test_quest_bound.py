@@ -90,3 +90,15 @@ def test_rule_equals_the_float64_reference_and_the_bound_stays_inside_it(window,
     mine = _rule_counts(batch, spec, thresholds, split_k, pages=(TILE_K, 16))
     assert mine.tolist() == per_thr.tolist()
     assert int(per_thr.sum()) > 0
+
+
+def test_pages_no_row_sees_count_as_no_k_read():
+    # A windowed decode row at 191 with a 100-token window sees 92 .. 191: tiles 1 and 2, anchored
+    # on tile 2 (its diagonal); tile 1's first 16-page (64 .. 79) is wholly before the window.
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 1, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(3 * TILE_K, 8, generator=g, dtype=torch.float64)
+    res = qb.query_tile(q, k, torch.tensor([191]), 0.3, 100, pages=(TILE_K, 16))
+    assert res["tiles"].tolist() == [1, 2] and res["anchor"] == 1
+    page = res["page"][16][0, 0]
+    assert torch.isnan(page[0]) and not bool(torch.isnan(page[1:]).any())
