@@ -415,6 +415,11 @@ def main() -> int:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     env["SPARSE_ATTN_STATS_INTERVAL_S"] = "0"
     base = build_model(args, workdir)
+    positions = json.loads((base / "config.json").read_text()).get("max_position_embeddings")
+    too_long = [length for length, _ in workloads if positions and length + args.decode_tokens + 8 > positions]
+    if too_long:  # vLLM would refuse the engine after minutes of earlier configs
+        raise SystemExit(f"prompt length {too_long[0]} + {args.decode_tokens} decode tokens + 8 exceeds the model's "
+                         f"{positions} positions; use at most {positions - args.decode_tokens - 8} tokens")
     prefill_ab, decode_ab, cal = tuple(args.prefill_ab), tuple(args.decode_ab), None
     if args.calibrate:
         prefill_ab, decode_ab, cal = calibrate(args, base, workdir, env)
