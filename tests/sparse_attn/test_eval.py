@@ -817,3 +817,85 @@ def test_help_says_what_the_references_are():
     text = " ".join(sub.format_help().split())
     for words in ("--references LIST", "bfloat16", "fp8", "KL x bf16", "twice the damage of serving in bf16", "AVX-512 or AMX"):
         assert words in text, words
+
+
+def test_eval_end_to_end_with_references_on_fake_engines(tmp_path, monkeypatch, capsys):
+    """`sparse-attn eval CKPT --references bf16,fp8` on an AVX2-only CPU, every engine faked: the fp8 reference is
+    said in one warning line before any engine starts and never started; dense, ref bf16 and the target run, in
+    that order; each step of every prompt is SAME for dense, NEAR for bf16 (KL K = 0.0059616 per step) and CLOSE
+    for the target (0.121171), so the target's KL x bf16 is 0.121171 / 0.0059616 = 20.325, +- 0 (every prompt alike)."""
+    import subprocess
+    import sys
+    import types
+
+    import torch
+
+    from compat import launch
+    from sparse_attn.cli import main
+
+    for name, attrs in {"vllm": {}, "transformers": {"AutoTokenizer": types.SimpleNamespace(from_pretrained=lambda p: ChatTokenizer())}}.items():
+        monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(**attrs))
+
+    class Bar:
+        def __init__(self, total=0, **kw):
+            self.n = 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def update(self, k=1):
+            self.n += k
+
+        def set_postfix_str(self, s):
+            pass
+
+    monkeypatch.setitem(sys.modules, "tqdm", types.SimpleNamespace(tqdm=Bar))
+    monkeypatch.setattr(launch, "platform_is_cpu", lambda: True)
+    monkeypatch.setattr(launch, "_cpu_attn_isa_source", lambda: ISA_SOURCE)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    started = []
+
+    def popen(cmd, **kwargs):
+        job = json.loads(Path(cmd[-2]).read_text())
+        kind = job.get("reference") or ("dense" if job["section"] is None else "sparse")
+        started.append((kind, job["dtype"], job.get("kv_cache_dtype"), kwargs["env"].get("SPARSE_ATTN_DISABLE")))
+        dist = {"dense": SAME, "bfloat16": NEAR, "sparse": CLOSE}[kind]
+        c = {"skipped": 1, "visited": 4, "launches": 1, "native_launches": 0, "dense_launches": 0}
+        cells = [{"task": cell["task"], "length": cell["length"], "generated": [[1, 1]] * len(cell["prompts"]),
+                  "text": ["x"] * len(cell["prompts"]), "first_step": [dist] * len(cell["prompts"]),
+                  "steps": [[dist, dist]] * len(cell["prompts"]), "answer_logprobs": None, "answer_top": None,
+                  "generate_s": 1.0, "teacher_forced_s": 0.0, "counts": {"prefill": c, "decode": c} if kind == "sparse" else None,
+                  "teacher_forced_counts": None} for cell in job["cells"]]
+        Path(cmd[-1]).write_text(json.dumps({"engine_start_s": 1.0, "layers": [[1, 2]] if kind == "sparse" else None,
+                                             "cells": cells, "top_k": 2, "job_s": 10.0}))
+        return SimpleNamespaceProc([f"EVAL-PROGRESS {k + 1} {len(cells)}\n" for k in range(len(cells))], 0)
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 128, "num_attention_heads": 2, "num_hidden_layers": 2,
+        "max_position_embeddings": 4096, "sparse_attention_config": {
+            "config_groups": {"group_0": {"algorithm": "skip_softmax", "targets": ["LlamaAttention"],
+                                          "threshold_scale_factor": {"formula": "a * exp(b * target_sparsity)",
+                                                                     "prefill": {"a": 7.93, "b": 8.61},
+                                                                     "decode": {"a": 0.12, "b": 9.85}},
+                                          "target_sparsity": {"prefill": 0.5, "decode": 0.3}}},
+            "producer": {"name": "sparse-attn", "version": "0.1.0"}}}))
+    out = tmp_path / "eval.json"
+    assert main(["eval", str(ckpt), "--references", "bf16,fp8", "--targets", "0.5", "--tasks", "niah_single", "--lengths",
+                 "512", "--samples", "2", "--decode_tokens", "2", "--output", str(out), "--workdir", str(tmp_path / "w")]) == 0
+    assert started == [("dense", "float32", None, "1"), ("bfloat16", "bfloat16", None, "1"), ("sparse", "float32", None, None)]
+    captured = capsys.readouterr()
+    warnings = [line for line in captured.err.splitlines() if line.startswith("warning: --references")]
+    assert len(warnings) == 1 and "fp8: skipped before the engines started" in warnings[0] and "AVX-512 or AMX" in warnings[0]
+    report = json.loads(out.read_text())
+    assert [c["label"] for c in report["configs"]] == ["dense", "ref bf16", "ref fp8-KV", "target 0.5"]
+    assert report["configs"][1]["all"]["kl_all"] == pytest.approx(K_NEAR, abs=1e-7)
+    x = report["configs"][3]["all"]["kl_x"]["bfloat16"]
+    assert x["ratio"] == pytest.approx(0.121171 / K_NEAR, rel=1e-4) and x["ratio_ci"] == pytest.approx(0.0, abs=1e-9)
+    assert "20.33+-0.00" in captured.out and "note: ref fp8-KV: skipped before the engines started" in captured.out
