@@ -159,10 +159,14 @@ _EXCEPTION_LINE = re.compile(r"\b([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)):
 
 
 def root_cause(log: str) -> str | None:
-    """The first ``SomeError: message`` line of an engine log, without the process prefix vLLM adds."""
-    for line in log.splitlines():
-        if m := _EXCEPTION_LINE.search(line.strip()):
-            return f"{m.group(1)}: {m.group(2).strip()}"
+    """The first ``SomeError: message`` line after the log's first traceback (else the first anywhere), without the
+    process prefix vLLM adds: an earlier logged ``ImportError: ...`` of an optional module is not the failure."""
+    lines = log.splitlines()
+    start = next((i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line), None)
+    for chunk in ([lines[start:]] if start is not None else []) + [lines]:
+        for line in chunk:
+            if m := _EXCEPTION_LINE.search(line.strip()):
+                return f"{m.group(1)}: {m.group(2).strip()}"
     return None
 
 

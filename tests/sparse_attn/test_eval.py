@@ -899,3 +899,19 @@ def test_eval_end_to_end_with_references_on_fake_engines(tmp_path, monkeypatch, 
     x = report["configs"][3]["all"]["kl_x"]["bfloat16"]
     assert x["ratio"] == pytest.approx(0.121171 / K_NEAR, rel=1e-4) and x["ratio_ci"] == pytest.approx(0.0, abs=1e-9)
     assert "20.33+-0.00" in captured.out and "note: ref fp8-KV: skipped before the engines started" in captured.out
+
+
+@pytest.mark.parametrize("log, cause", [
+    pytest.param("(EngineCore pid=7) ERROR [core.py:1] NotImplementedError: FP8 KV cache on CPU requires x86 with AVX-512 "
+                 "or AMX.\nRuntimeError: Engine core initialization failed. See root cause above.\n",
+                 "NotImplementedError: FP8 KV cache on CPU requires x86 with AVX-512 or AMX.", id="engine-process-first"),
+    pytest.param("WARNING ImportError: No module named 'triton_cpu' (optional)\n(EngineCore pid=7) Traceback (most recent "
+                 "call last):\n(EngineCore pid=7)   File \"x.py\", line 1\n(EngineCore pid=7) ValueError: bad dtype\n"
+                 "RuntimeError: Engine core initialization failed.\n", "ValueError: bad dtype",
+                 id="benign-import-error-before-the-traceback"),
+    pytest.param("killed\n", None, id="no-exception-line"),
+])
+def test_root_cause_of_an_engine_log(log, cause):
+    from sparse_attn.evaluation.run import root_cause
+
+    assert root_cause(log) == cause
