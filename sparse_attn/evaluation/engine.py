@@ -2,7 +2,8 @@
 
 The parent (:mod:`sparse_attn.evaluation.run`) writes ``JOB`` (JSON: checkpoint, engine settings,
 the ``sparse_attention_config`` to serve or ``null`` for native vLLM, the cells of token-id
-prompts) and sets the environment (``SPARSE_ATTN_DISABLE=1`` for native); this process starts one
+prompts; a ``--references`` job is native vLLM at its own ``dtype``, or with a ``kv_cache_dtype``)
+and sets the environment (``SPARSE_ATTN_DISABLE=1`` for native); this process starts one
 vLLM engine, runs each cell twice, and writes ``OUT``:
 
 1. **generate**: the cell's prompts in one batch, greedy, ``decode_tokens`` new tokens each
@@ -80,7 +81,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     t = time.monotonic()
     llm = LLM(**offline.eval_engine_kwargs(model=job["checkpoint"], dtype=job["dtype"], max_model_len=job["max_model_len"],
                                            seed=job["seed"], backend=job.get("backend"), hf_overrides=overrides,
-                                           kv_cache_bytes=job["kv_cache_bytes"], prefix_caching=forced_mode))
+                                           kv_cache_bytes=job["kv_cache_bytes"], prefix_caching=forced_mode,
+                                           kv_cache_dtype=job.get("kv_cache_dtype")))
     started_s = time.monotonic() - t
 
     def stats(reset: bool = True) -> list[dict] | None:

@@ -42,6 +42,24 @@ def mean_ci(values: Sequence[float]) -> tuple[float | None, float | None]:
     return mean, Z95 * math.sqrt(var / n)
 
 
+def ratio_ci(num: Sequence[float], den: Sequence[float]) -> tuple[float | None, float | None]:
+    """``R = mean(num) / mean(den)`` over paired values (prompt ``i``'s ``num[i]`` and ``den[i]``) and the half-width
+    of its 95 % interval by the delta method: ``1.96 * sd(num_i - R den_i) / (sqrt(n) * mean(den))`` (0 for one
+    pair). None, None for no pairs or ``mean(den) <= 0`` (a reference that costs nothing is no unit)."""
+    n = len(num)
+    if not n or len(den) != n:
+        return None, None
+    mean_den = sum(den) / n
+    if mean_den <= 0:
+        return None, None
+    ratio = (sum(num) / n) / mean_den
+    if n == 1:
+        return ratio, 0.0
+    resid = [a - ratio * b for a, b in zip(num, den)]
+    sd = math.sqrt(sum(r * r for r in resid) / (n - 1))  # the residuals' mean is 0 by the choice of R
+    return ratio, Z95 * sd / (math.sqrt(n) * mean_den)
+
+
 #: Smallest probability the "rest" bucket is given (float rounding and underflow only: see :func:`kl_topk`).
 REST_FLOOR = 1e-12
 

@@ -5,7 +5,9 @@ and dense's as a horizontal line; the paired log-likelihood delta against dense 
 teacher-forced answer LL with ``--teacher_forced``, else the first answer token's LP); the headline KL
 (dense || sparse) over every comparable position with its interval; achieved tile sparsity per phase with the
 y = x line. A target given per phase (a checkpoint served as calibrated) is drawn at its phase's value in the
-sparsity panel and at the mean of its phases' values in the others.
+sparsity panel and at the mean of its phases' values in the others. Each ``--references`` configuration that ran
+(``ref bf16``, ``ref fp8-KV``) is a horizontal dashed line at its KL and at its match, labelled with its value:
+how far a sparse point sits above the bf16 line is its "KL x bf16".
 
 Uses matplotlib's object API with the Agg canvas, as :mod:`sparse_attn.calibration.plot` does (no pyplot state,
 no display); matplotlib is optional and imported only here. Redraw from a written report without an engine:
@@ -20,9 +22,11 @@ from typing import Any, Sequence
 
 from sparse_attn.errors import CliError
 
-__all__ = ["PlotError", "plot_report", "require_matplotlib"]
+__all__ = ["PlotError", "figure", "plot_report", "require_matplotlib"]
 
 PHASE_COLOURS = {"prefill": "tab:blue", "decode": "tab:orange"}
+#: The references' lines, in the report's order.
+REFERENCE_COLOURS = ("tab:brown", "tab:cyan", "tab:olive", "tab:pink")
 
 
 class PlotError(CliError):
@@ -64,7 +68,8 @@ def _sparse_configs(report: Any) -> tuple[dict, list[dict]]:
                         "`sparse-attn eval --output` wrote")
     if not configs[0].get("native"):
         raise PlotError("the report's first configuration is not native vLLM (dense): nothing to compare against")
-    sparse = [c for c in configs[1:] if _x(c.get("target")) is not None and c["all"].get("match") is not None]
+    sparse = [c for c in configs[1:] if not c.get("reference") and _x(c.get("target")) is not None
+              and c["all"].get("match") is not None]
     if not sparse:
         raise PlotError("the report has no sparse configuration with a target to draw (a `--targets none` run holds "
                         "native vLLM alone). Fix: rerun with --targets, e.g. --targets 0.5,0.7 and the same --workdir")
@@ -83,9 +88,24 @@ def _absent(ax, what: str) -> None:
     ax.text(0.5, 0.5, f"{what}\nnot in this report", ha="center", va="center", transform=ax.transAxes, color="tab:gray")
 
 
+def _references(report: dict) -> list[tuple[dict, str]]:
+    """The reference configurations that ran, each with its line colour."""
+    refs = [c for c in report["configs"] if c.get("reference") and c["all"]]
+    return list(zip(refs, REFERENCE_COLOURS))
+
+
 def plot_report(report: dict[str, Any], path: str | Path) -> Path:
     """Write the report's PNG to ``path``; returns it. :class:`PlotError` when the report holds nothing to draw
     (no sparse configuration) or matplotlib is missing."""
+    fig = figure(report)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png")
+    return out
+
+
+def figure(report: dict[str, Any]):
+    """The report's matplotlib ``Figure`` (panels: match, LL delta, KL, sparsity; see the module docstring)."""
     dense, sparse = _sparse_configs(report)
     Figure, FigureCanvasAgg = _matplotlib()
     xs = [_x(c["target"]) for c in sparse]
@@ -99,6 +119,11 @@ def plot_report(report: dict[str, Any], path: str | Path) -> Path:
     d = dense["all"]
     if d.get("match") is not None:
         m_ax.axhline(100.0 * d["match"], color="black", linestyle="--", label=f"dense {100 * d['match']:.1f} %")
+    refs = _references(report)
+    for ref, colour in refs:
+        if ref["all"].get("match") is not None:
+            m_ax.axhline(100.0 * ref["all"]["match"], color=colour, linestyle="--",
+                         label=f"{ref['label']} {100 * ref['all']['match']:.1f} %")
     m_ax.set_ylabel("answer match (%)")
     m_ax.set_title(f"match, N = {alls[0].get('n')} prompts per target")
     m_ax.legend(fontsize=8)
@@ -111,8 +136,14 @@ def plot_report(report: dict[str, Any], path: str | Path) -> Path:
     ll_ax.set_ylabel("answer LL delta (nats / token)" if key == "answer_ll" else "first-token LP delta (nats)")
     ll_ax.set_title("sparse minus dense, paired" + ("" if key == "answer_ll" else " (no --teacher_forced)"))
 
-    if not _errorbar(kl_ax, xs, [a.get("kl_all") for a in alls], [a.get("kl_all_ci") for a in alls], 1.0, color="tab:green"):
+    if not _errorbar(kl_ax, xs, [a.get("kl_all") for a in alls], [a.get("kl_all_ci") for a in alls], 1.0, color="tab:green",
+                     label="sparse (95 % interval)"):
         _absent(kl_ax, "KL over all positions")
+    ref_lines = [(ref, colour) for ref, colour in refs if ref["all"].get("kl_all") is not None]
+    for ref, colour in ref_lines:
+        kl_ax.axhline(ref["all"]["kl_all"], color=colour, linestyle="--", label=f"{ref['label']} {ref['all']['kl_all']:.4f}")
+    if ref_lines:
+        kl_ax.legend(fontsize=8)
     tokens = [a.get("tokens") for a in alls if a.get("tokens") is not None]
     kl_ax.set_ylabel("KL(dense || sparse) (nats / position)")
     kl_ax.set_title("KL, every comparable position" + (f" ({min(tokens)}-{max(tokens)} positions)" if tokens and min(tokens) != max(tokens)
@@ -139,10 +170,7 @@ def plot_report(report: dict[str, Any], path: str | Path) -> Path:
         ax.grid(True, alpha=0.3)
     fig.suptitle(f"sparse-attn eval: {report.get('checkpoint', '')}", fontsize=10)
     fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png")
-    return out
+    return fig
 
 
 def main(argv: Sequence[str] | None = None) -> int:

