@@ -168,7 +168,8 @@ def figure(report: dict[str, Any]):
     for ax in (m_ax, ll_ax, kl_ax, sp_ax):
         ax.set_xlabel("target sparsity")
         ax.grid(True, alpha=0.3)
-    fig.suptitle(f"sparse-attn eval: {report.get('checkpoint', '')}", fontsize=10)
+    # The checkpoint's name, not its path: the picture is published, and a directory means nothing elsewhere.
+    fig.suptitle(f"sparse-attn eval: {Path(str(report.get('checkpoint', ''))).name}", fontsize=10)
     fig.tight_layout()
     return fig
 
