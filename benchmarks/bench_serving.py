@@ -196,10 +196,7 @@ def child_steps(args) -> int:
     llm.generate([{"prompt_token_ids": workloads[0]["prompts"][0][:args.warmup_tokens or None]}], warm, use_tqdm=False)
 
     def stats():
-        try:
-            snaps = llm.collective_rpc("sparse_attn_stats", kwargs={"reset": True})
-        except Exception:  # noqa: BLE001 - native vLLM: no plugin answers
-            return {}
+        snaps = _snapshots(llm, reset=True)
         return {p: [sum(s.get("phases", {}).get(p, {}).get(k, 0) for s in snaps) for k in ("skipped", "visited")]
                 for p in ("prefill", "decode")}
 
@@ -242,9 +239,11 @@ def child_steps(args) -> int:
     return 0
 
 
-def _snapshots(llm) -> list[dict]:
+def _snapshots(llm, reset: bool = False) -> list[dict]:
+    """The workers' stats snapshots (``reset``: and zero their counters); ``[{}]`` where no plugin answers
+    (native vLLM, ``SPARSE_ATTN_DISABLE``)."""
     try:
-        return llm.collective_rpc("sparse_attn_stats", kwargs={"reset": False})
+        return llm.collective_rpc("sparse_attn_stats", kwargs={"reset": reset})
     except Exception:  # noqa: BLE001 - native vLLM: no plugin answers
         return [{}]
 
@@ -268,10 +267,7 @@ def child(args) -> int:
     full = SamplingParams(temperature=0.0, max_tokens=1 + args.decode_tokens, ignore_eos=True)
 
     def stats(reset=True):
-        try:
-            return llm.collective_rpc("sparse_attn_stats", kwargs={"reset": reset})
-        except Exception as exc:  # noqa: BLE001 - SPARSE_ATTN_DISABLE / no plugin
-            return [{"unavailable": str(exc)}]
+        return _snapshots(llm, reset)
 
     t_prefill, t_full, counts, tokens = [], [], {"prefill": [0, 0], "decode": [0, 0]}, None
     cached_tokens = ([], [])  # prompt tokens served from the prefix cache: prefill-only runs, full runs
@@ -689,7 +685,7 @@ def steps_report(args, results: dict, workloads, base: Path, started: float, loa
         "Every repeat:", "", *timings, ""])
     print()
     print(text)
-    (workdir_of(args) / "summary.json").write_text(json.dumps({"bound_table": summary, "calibration": cal}, indent=2))
+    (Path(args.workdir) / "summary.json").write_text(json.dumps({"bound_table": summary, "calibration": cal}, indent=2))
     if args.results:
         old = Path(args.results).read_text() if Path(args.results).exists() else ""
         keep = old[old.index(ANALYSIS_MARKER):] if ANALYSIS_MARKER in old else ""
@@ -698,10 +694,6 @@ def steps_report(args, results: dict, workloads, base: Path, started: float, loa
                                       + ("\n" + keep if keep else ""))
         print(f"wrote {args.results}")
     return 0
-
-
-def workdir_of(args) -> Path:
-    return Path(args.workdir)
 
 
 def _isa() -> str:

@@ -145,15 +145,17 @@ def sample_scores(cell: dict[str, Any], answers: Sequence[Sequence[str]], answer
             score["kl"] = kl_topk(dense_cell["first_step"][i], first, top_k)
         if dense_cell is not None:
             by_kind = positions(cell, dense_cell, i)
-            pairs = by_kind["generated"] + by_kind["forced"]
-            if pairs:
-                score["kl_all"] = sum(kl_topk(d, s, top_k) for d, s in pairs) / len(pairs)
+            # One KL per position, shared by the pooled mean and each kind's.
+            kls = {kind: [kl_topk(d, s, top_k) for d, s in pairs] for kind, pairs in by_kind.items()}
+            pairs, pooled = by_kind["generated"] + by_kind["forced"], kls["generated"] + kls["forced"]
+            if pooled:
+                score["kl_all"] = sum(pooled) / len(pooled)
                 score["top1"] = sum(argmax(d) == argmax(s) for d, s in pairs) / len(pairs)
-                score["tokens"] = len(pairs)
-                for kind, kind_pairs in by_kind.items():
-                    if kind_pairs:
-                        score[f"kl_{kind}"] = sum(kl_topk(d, s, top_k) for d, s in kind_pairs) / len(kind_pairs)
-                        score[f"tokens_{kind}"] = len(kind_pairs)
+                score["tokens"] = len(pooled)
+                for kind, values in kls.items():
+                    if values:
+                        score[f"kl_{kind}"] = sum(values) / len(values)
+                        score[f"tokens_{kind}"] = len(values)
         if cell.get("answer_logprobs"):
             logprobs = cell["answer_logprobs"][i]
             score["answer_ll"] = sum(lp for lp, _rank in logprobs) / len(logprobs)
