@@ -163,7 +163,8 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                         "OUT.png` draws it from a written report")
     p.add_argument("--workdir", default=None, help="keep each engine's job, output and log here (default: a temporary directory); an engine whose "
                    "output for the same job is already there is not started again (resume; run targets one by one "
-                   "with native vLLM once). Delete DIR after changing the code")
+                   "with native vLLM once), and an engine interrupted mid-job starts again after its last finished "
+                   "(task, length) cell. Delete DIR after changing the code")
 
 
 def _add_model(sub: argparse._SubParsersAction) -> None:

@@ -28,10 +28,17 @@ vLLM engine, runs each cell twice, and writes ``OUT``:
 A fresh process per configuration: every engine starts from the same state (no compiled kernels,
 caches or plugin state carried over), and the plugin reads ``SPARSE_ATTN_*`` at start-up.
 Progress: one ``EVAL-PROGRESS <done> <total>`` line per cell on stdout.
+
+Resume: after each cell the cells done so far go to ``OUT.partial`` (atomically, with the job's digest). An engine
+killed mid-job (a timeout, Ctrl-C, a reboot) and started again on the same job reads them back and runs only the
+cells after them, so a few-hundred-prompt eval loses at most the cell it was in; a partial file of another job is
+ignored and overwritten. Each cell's numbers come from the engine run that computed it (every engine starts from
+the same state, so a resumed cell is the cell an uninterrupted run computes).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 import time
@@ -66,10 +73,48 @@ def _answer_logprobs(forced: Any, prompt: list[int], answer: list[int]) -> list[
     return [list(x) for x in got]
 
 
-def run_job(job: dict[str, Any]) -> dict[str, Any]:
+def job_digest(job: dict[str, Any]) -> str:
+    """What ties a partial output to its job: the job's canonical JSON, hashed."""
+    return hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()
+
+
+def read_partial(path: Path | None, job: dict[str, Any]) -> dict[str, Any] | None:
+    """The result so far (:func:`run_job`'s, fewer cells) of an interrupted engine of this very ``job``, or None."""
+    try:
+        got = json.loads(path.read_text(encoding="utf-8")) if path is not None else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(got, dict) or got.get("job") != job_digest(job):
+        return None
+    result = got.get("result")
+    if not isinstance(result, dict) or not isinstance(result.get("cells"), list) or len(result["cells"]) > len(job["cells"]):
+        return None
+    return result
+
+
+def _write_atomically(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj), encoding="utf-8")
+    tmp.replace(path)
+
+
+def partial_path(out: Path) -> Path:
+    return out.with_name(out.name + ".partial")
+
+
+def run_job(job: dict[str, Any], partial: Path | None = None) -> dict[str, Any]:
     """Run one job; ``job_s`` in the result: its wall time from before vLLM's import to the last cell (engine start
-    included: what the eval's throughput is measured on)."""
+    included: what the eval's throughput is measured on; a resumed job adds the earlier runs' seconds).
+    ``partial``: where the cells done so far are kept (see Resume above)."""
     t0 = time.monotonic()
+    earlier = read_partial(partial, job)
+    done = earlier["cells"] if earlier else []
+    earlier_s = float(earlier.get("job_s", 0.0)) if earlier else 0.0
+    total = len(job["cells"])
+    for k in range(len(done)):
+        print(f"{PROGRESS_PREFIX} {k + 1} {total}", flush=True)
+    if earlier and len(done) == total:  # killed between its last cell and the output: nothing left to run
+        return earlier
     from compat import offline
     from sparse_attn.protocol import STATS_RPC
     from vllm import LLM
@@ -103,9 +148,10 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     gen_params = offline.sampling_params(max_tokens=job["decode_tokens"], logprobs=top_k,
                                          read_prefix_cache=True if forced_mode else None)
     tf_params = offline.sampling_params(max_tokens=1, prompt_logprobs=top_k, read_prefix_cache=False if forced_mode else None)
-    cells = []
-    total = len(job["cells"])
+    cells = list(done)
     for k, cell in enumerate(job["cells"]):
+        if k < len(done):
+            continue
         forced, tf_s, tf_counts = None, 0.0, None
         if forced_mode:
             t = time.monotonic()
@@ -128,18 +174,21 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
             "generate_s": gen_s, "teacher_forced_s": tf_s, "counts": gen_counts, "teacher_forced_counts": tf_counts,
             "prefill_shared": forced_mode,
         })
+        result = {"engine_start_s": started_s, "layers": layers, "cells": cells, "top_k": top_k,
+                  "job_s": earlier_s + time.monotonic() - t0}
+        if partial is not None:
+            _write_atomically(partial, {"job": job_digest(job), "result": result})
         print(f"{PROGRESS_PREFIX} {k + 1} {total}", flush=True)
     return {"engine_start_s": started_s, "layers": layers, "cells": cells, "top_k": top_k,
-            "job_s": time.monotonic() - t0}
+            "job_s": earlier_s + time.monotonic() - t0}
 
 
 def main(argv: list[str]) -> int:
     job = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
-    result = run_job(job)
     out = Path(argv[1])
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(result), encoding="utf-8")
-    tmp.replace(out)
+    result = run_job(job, partial_path(out))
+    _write_atomically(out, result)
+    partial_path(out).unlink(missing_ok=True)
     return 0
 
 

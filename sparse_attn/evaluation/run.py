@@ -242,7 +242,8 @@ def _finished(job: dict, job_path: Path, out_path: Path) -> dict | None:
     """A ``--workdir`` engine output of the very same job (same prompts, engine settings and section), or None.
     The engine writes its output atomically at the end, so one that exists is whole: an interrupted eval, or one
     run target by target (``--targets 0.5`` then ``--targets 0.7`` in one workdir), starts only the engines whose
-    output is missing, and native vLLM runs once."""
+    output is missing, and native vLLM runs once. An engine that stopped mid-job left ``out-LABEL.json.partial``
+    (:mod:`sparse_attn.evaluation.engine`): started again, it runs only the cells after the last one it finished."""
     try:
         same = json.loads(job_path.read_text(encoding="utf-8")) == json.loads(json.dumps(job))
         out = json.loads(out_path.read_text(encoding="utf-8")) if same else None

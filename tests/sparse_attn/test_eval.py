@@ -310,6 +310,106 @@ def test_workdir_resumes_only_an_engine_whose_job_is_unchanged(tmp_path, monkeyp
     assert started == [None, {"t": 0.7}, {"t": 0.7}]
 
 
+
+class _Killed(Exception):
+    pass
+
+
+def _fake_engine_process(monkeypatch, kill_at=None):
+    """The engine process's vLLM, faked: ``LLM`` starts are counted, each generate call answers every prompt with
+    its length as the one token (and a logprob per answer position when teacher-forced); the generate call of
+    cell ``kill_at`` raises, as a killed engine stops mid-job. Returns the per-call log."""
+    import sys
+    import types
+
+    from compat import offline
+    from compat.offline import Generation
+
+    calls = {"llm": 0, "generate": []}
+
+    class LLM:
+        def __init__(self, **kwargs):
+            calls["llm"] += 1
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM))
+    monkeypatch.setattr(offline, "eval_engine_kwargs", lambda **kw: {})
+    monkeypatch.setattr(offline, "sampling_params", lambda **kw: kw)
+
+    def generate(llm, prompts, params, prompt_top_from=None):
+        calls["generate"].append([len(p) for p in prompts])
+        if kill_at is not None and [len(p) for p in prompts] == kill_at:
+            raise _Killed()
+        out = []
+        for j, p in enumerate(prompts):
+            plp = None
+            if params.get("prompt_logprobs"):
+                plp = (None,) + tuple((-0.5, 1) for _ in p[1:])
+            top = None if prompt_top_from is None else tuple({7: -0.5} for _ in p[prompt_top_from[j]:])
+            out.append(Generation(prompt_token_ids=tuple(p), token_ids=(len(p),), text=str(len(p)), prompt_logprobs=plp,
+                                  step_logprobs=({len(p): -0.1},), prompt_top=top))
+        return out
+
+    monkeypatch.setattr(offline, "generate", generate)
+    return calls
+
+
+def _engine_job():
+    return {"checkpoint": "C", "dtype": "float32", "max_model_len": 64, "seed": 0, "decode_tokens": 1,
+            "kv_cache_bytes": 1, "teacher_forced": True, "section": None, "top_k": 20,
+            "cells": [{"task": "niah_single", "length": 1024, "prompts": [[1, 2, 3], [1, 2]], "answer_ids": [[9], [9]]},
+                      {"task": "niah_single", "length": 2048, "prompts": [[1, 2, 3, 4, 5]], "answer_ids": [[8, 8]]},
+                      {"task": "qa", "length": 1024, "prompts": [[4, 4, 4, 4]], "answer_ids": [[7]]}]}
+
+
+def test_a_killed_engine_resumes_after_its_last_finished_cell(tmp_path, monkeypatch, capsys):
+    """Killed in cell 2's teacher-forced pass: the partial output holds cell 1; the engine started again on the same
+    job runs cells 2 and 3 only (cell 1's passes are not repeated) and its output is an uninterrupted run's."""
+    from sparse_attn.evaluation import engine
+
+    job = _engine_job()
+    clean = _fake_engine_process(monkeypatch)
+    whole = engine.run_job(job)
+    assert clean["llm"] == 1 and len(clean["generate"]) == 1 + 2 * 3  # the warm-up; teacher-forced + generate per cell
+
+    partial = engine.partial_path(tmp_path / "out-dense.json")
+    killed = _fake_engine_process(monkeypatch, kill_at=[7])  # cell 2's teacher-forced batch: prompt 5 + answer 2
+    with pytest.raises(_Killed):
+        engine.run_job(job, partial)
+    assert [c["length"] for c in engine.read_partial(partial, job)["cells"]] == [1024]
+    capsys.readouterr()
+
+    resumed = _fake_engine_process(monkeypatch)
+    again = engine.run_job(job, partial)
+    assert resumed["generate"] == [[3], [7], [5], [5], [4]]  # the warm-up; cells 2 and 3: teacher-forced, generate
+    strip = lambda r: [{k: v for k, v in c.items() if not k.endswith("_s")} for c in r["cells"]]  # noqa: E731
+    assert strip(again) == strip(whole)
+    assert capsys.readouterr().out.splitlines() == [f"{engine.PROGRESS_PREFIX} {k} 3" for k in (1, 2, 3)]
+
+
+def test_a_partial_output_of_another_job_is_not_read_back(tmp_path, monkeypatch):
+    from sparse_attn.evaluation import engine
+
+    job = _engine_job()
+    partial = tmp_path / "out.json.partial"
+    _fake_engine_process(monkeypatch, kill_at=[7])
+    with pytest.raises(_Killed):
+        engine.run_job(job, partial)
+    other = {**job, "section": {"t": 0.5}}  # another target under the same label
+    assert engine.read_partial(partial, job) is not None and engine.read_partial(partial, other) is None
+    partial.write_text("{not json")
+    assert engine.read_partial(partial, job) is None
+
+
+def test_the_engine_main_writes_its_output_and_drops_the_partial(tmp_path, monkeypatch):
+    from sparse_attn.evaluation import engine
+
+    job_path, out = tmp_path / "job.json", tmp_path / "out.json"
+    job_path.write_text(json.dumps(_engine_job()))
+    _fake_engine_process(monkeypatch)
+    assert engine.main([str(job_path), str(out)]) == 0
+    assert len(json.loads(out.read_text())["cells"]) == 3 and not engine.partial_path(out).exists()
+
+
 # --- the headline KL, top-1 agreement, the table's counts, throughput and the plot ---------------------------------
 
 L = math.log  # the made-up distributions below are written as probabilities; the engines hand logprobs
