@@ -364,6 +364,9 @@ def main() -> int:
                     help="also serve plugin-dense and plugin-sparse from this source tree of sparse-attn (e.g. a "
                          "`git worktree` of an older commit; configs named ...@baseline): before/after in one run")
     ap.add_argument("--repeats", type=int, default=2, help="timed (prefill, full) pairs per config; medians (default 2)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="start every config's engine this many times, round-robin, and pool their repeats (best of "
+                         "rounds x repeats): a drift of the machine's load then falls on every config alike (default 1)")
     ap.add_argument("--model", default=None, metavar="DIR",
                     help="a Hugging Face checkpoint to serve instead of the tiny model (its config.json is copied per "
                          "config with the section replaced; the weights are linked, not copied)")
@@ -398,6 +401,8 @@ def main() -> int:
     workloads = parse_workloads(args.workloads or f"{args.prompt_len}:{args.num_seqs}")
     if args.decode_timing != "steps" and args.workloads:
         ap.error("--workloads needs --decode-timing steps")
+    if args.rounds < 1 or (args.rounds > 1 and args.decode_timing != "steps"):
+        ap.error("--rounds must be >= 1, and more than one needs --decode-timing steps")
     if args.baseline_tree and not (Path(args.baseline_tree) / "sparse_attn" / "plugin.py").is_file():
         ap.error(f"--baseline-tree {args.baseline_tree}: no sparse_attn/plugin.py there (expected a sparse-attn "
                  "source tree, e.g. `git worktree add DIR COMMIT`)")
@@ -436,9 +441,11 @@ def main() -> int:
     from compat.model import ATTENTION_CLASS_PATHS
 
     results = {}
-    for name, section, tree in configs:
+    # --rounds: every config's engine again, round-robin (native, dense, sparse, native, ...), so a slow drift of
+    # the machine's load falls on every config alike; the runs of all rounds are pooled.
+    for rnd, (name, section, tree) in ((r, c) for r in range(args.rounds) for c in configs):
         ckpt = with_section(base, workdir / name, section)
-        out = workdir / f"{name}.json"
+        out = workdir / (f"{name}.json" if args.rounds == 1 else f"{name}.round{rnd + 1}.json")
         cmd = [sys.executable, __file__, "--child", str(ckpt), "--out", str(out), "--num-seqs", str(args.num_seqs),
                "--prompt-len", str(args.prompt_len), "--decode-tokens", str(args.decode_tokens), "--repeats", str(args.repeats),
                "--seed", str(args.seed), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
@@ -447,14 +454,15 @@ def main() -> int:
         if prompts_json:
             cmd += ["--prompts-json", str(prompts_json), "--attention-classes", ",".join(ATTENTION_CLASS_PATHS)]
         child_env = dict(env, PYTHONPATH=os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH", "")])))
-        print(f"[{name}] starting engine ...", flush=True)
+        print(f"[{name}] starting engine" + (f" (round {rnd + 1} of {args.rounds})" if args.rounds > 1 else "") + " ...",
+              flush=True)
         t = time.time()
         proc = subprocess.run(cmd, env=child_env, capture_output=True, text=True, timeout=args.timeout)
         if proc.returncode:
             sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
             raise SystemExit(f"[{name}] engine run failed (rc {proc.returncode})")
-        results[name] = json.loads(out.read_text())
-        r = results[name]
+        r = json.loads(out.read_text())
+        results[name] = pool_rounds(results[name], r) if name in results else r
         if prompts_json:
             if r.get("plugin_tree") and Path(r["plugin_tree"]).resolve() != tree and name != "native":
                 raise SystemExit(f"[{name}] served the plugin of {r['plugin_tree']}, expected {tree}")
@@ -575,6 +583,16 @@ def step_bound(f: float | None, bound: float | None) -> float | None:
     return 1.0 / (1.0 - f * (1.0 - 1.0 / bound))
 
 
+def pool_rounds(first: dict, later: dict) -> dict:
+    """One config's child outputs of two rounds as one: each workload's timed runs of both (the best is then
+    taken over all), the engine loads of both; the same workloads in the same order, else an error."""
+    if [w["name"] for w in first["workloads"]] != [w["name"] for w in later["workloads"]]:
+        raise ValueError("rounds of one config served different workloads")
+    return {**first, "load_during": list(first["load_during"]) + list(later["load_during"]),
+            "workloads": [{**a, "runs": list(a["runs"]) + list(b["runs"])}
+                          for a, b in zip(first["workloads"], later["workloads"])]}
+
+
 def phase_timings(runs: list[dict], phase: str) -> dict:
     """The least disturbed repeat of one phase (least wall time) and the counts of all repeats."""
     best = min(runs, key=lambda r: r["window"][phase][0])
@@ -671,7 +689,8 @@ def steps_report(args, results: dict, workloads, base: Path, started: float, loa
         f"{'/'.join(f'{v:.1f}' for v in load_before)}, after {'/'.join(f'{v:.1f}' for v in load_after)}; "
         "per engine at its end: " + ", ".join(f"{n} {'/'.join(f'{v:.1f}' for v in r['load_during'])}" for n, r in results.items()) + ".",
         f"Model: {_describe_model(args, base)}, dtype {args.dtype}. M={args.decode_tokens} decode tokens per sequence, "
-        f"{args.repeats} repeats (best shown), {args.prompts} prompts; at target: prefill {args.prefill_target} "
+        f"{args.repeats} repeats" + (f" x {args.rounds} rounds (engines started round-robin)" if args.rounds > 1 else "")
+        + f" (best shown), {args.prompts} prompts; at target: prefill {args.prefill_target} "
         f"(a/b {prefill_ab[0]:.4g}/{prefill_ab[1]:.4g}), decode {args.decode_target} (a/b {decode_ab[0]:.4g}/{decode_ab[1]:.4g})"
         + (", fitted by --calibrate in this run" if cal else "") + f". Total wall time {time.time() - started:.0f} s.",
         "", "Timing: vLLM's step loop; prefill = the steps until every sequence has its first token, decode = every later "

@@ -52,3 +52,26 @@ def test_workloads_parse(text, parsed):
 def test_bad_workloads_are_refused_with_the_expected_form(text):
     with pytest.raises(SystemExit, match="LEN"):
         bench.parse_workloads(text)
+
+
+def _child(walls, load=1.0):
+    return {"init_s": 5.0, "layers": [30, 30], "load_during": [load],
+            "workloads": [{"name": "2048x1", "num_seqs": 1, "prompt_tokens": 2042,
+                           "runs": [{"window": {"decode": [w, 0.5, 32]}, "decoded": 32, "counts": {"decode": [10, 40]}}
+                                    for w in walls]}]}
+
+
+def test_rounds_pool_every_repeat_and_the_best_is_taken_over_all():
+    """Round 1's repeats 2.1 / 2.0 s, round 2's 1.8 / 1.9 s: the pooled config's decode is round 2's 1.8 s, and the
+    sparsity counts all four runs."""
+    pooled = bench.pool_rounds(_child([2.1, 2.0], load=1.5), _child([1.8, 1.9], load=0.5))
+    t = bench.phase_timings(pooled["workloads"][0]["runs"], "decode")
+    assert (t["wall"], t["walls"]) == (1.8, [2.1, 2.0, 1.8, 1.9])
+    assert t["sparsity"] == pytest.approx(40 / 160) and pooled["load_during"] == [1.5, 0.5]
+
+
+def test_rounds_of_other_workloads_are_refused():
+    other = _child([1.0])
+    other["workloads"][0]["name"] = "8000x1"
+    with pytest.raises(ValueError, match="different workloads"):
+        bench.pool_rounds(_child([1.0]), other)
