@@ -7,7 +7,8 @@ with f, s, the bounds and the achieved ratios) and writes one PNG of three panel
   target over our own dense (filled) under its bound 2 / (2 - s) (hollow, joined to it by a line), the whole
   step at target over own dense (filled) under its bound 1 / (1 - f (1 - 1 / bound)) (hollow), and own dense over
   native vLLM (x) so that "faster than native" from our dense kernel is told apart from sparsity paying;
-* **sparsity**: the tile sparsity s each phase reached at the calibrated target, against length.
+* **sparsity**: the tiles each phase skipped per query head at the calibrated target, and (where the kernel
+  counts them) the V tiles no head of a KV group read, the s of the bounds, against length.
 
     python benchmarks/plot_serving.py DIR/summary.json docs/serving-smollm2.png [--title TEXT]
 """
@@ -90,8 +91,12 @@ def draw(summary: dict, out: Path, title: str | None = None) -> Path:
     ax = axes[2]
     for j, phase in enumerate(PHASES):
         for k, (batch, pts) in enumerate(series(rows, phase).items()):
-            ax.plot([p["length"] for p in pts], [100 * p["s"] for p in pts], _MARKERS[k % len(_MARKERS)] + "-",
-                    color=f"C{3 + j}", ms=7, label=f"{phase}, x{batch}")
+            mk, x = _MARKERS[k % len(_MARKERS)], [p["length"] for p in pts]
+            ax.plot(x, [100 * p.get("s_head", p["s"]) for p in pts], mk + "-", color=f"C{3 + j}", ms=7,
+                    label=f"{phase} per head, x{batch}")
+            if any(p.get("s_is_v") for p in pts):  # the V tiles no head of the group read (the bound's s)
+                ax.plot(x, [100 * p["s"] if p.get("s_is_v") else float("nan") for p in pts], mk + "--",
+                        color=f"C{3 + j}", ms=7, mfc="none", label=f"{phase} V tiles unread, x{batch}")
     _length_axis(ax, rows)
     ax.set_ylim(0, 100)
     ax.set_ylabel("tile sparsity s (%)")

@@ -34,8 +34,12 @@ STATS_RPC = "sparse_attn_stats"
 #: run in counting mode. Declared (internal) in ``sparse_attn.settings``.
 CALIBRATION_ENV = "SPARSE_ATTN_CALIBRATION_SCALES"
 
-#: Integer counters of one phase in a snapshot's ``phases[phase]``.
-PHASE_COUNTERS: tuple[str, ...] = ("skipped", "visited", "launches", "native_launches", "dense_launches")
+#: Integer counters of one phase in a snapshot's ``phases[phase]``: tiles skipped / visited per query head, launches
+#: (sparse, native, dense), and (from kernels that count them: the compiled CPU one) the (KV head, tile) pairs
+#: tested and those whose V no query head of the group read: ``v_skipped / v_tested`` is the V-tile fraction
+#: actually not read, at most ``skipped / visited``.
+PHASE_COUNTERS: tuple[str, ...] = ("skipped", "visited", "launches", "native_launches", "dense_launches",
+                                   "v_tested", "v_skipped")
 #: Keys of one worker's snapshot.
 SNAPSHOT_KEYS: tuple[str, ...] = (
     "phases", "candidate_skipped", "candidate_visited", "layers_installed", "layers_total", "owner_classes",

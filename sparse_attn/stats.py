@@ -39,6 +39,9 @@ class PhaseCounts:
     #: every lambda of the launch was dense (uncalibrated phase in a mixed batch,
     #: or all KV lengths too short for the fit): served by the sparse kernel at lambda 0
     dense_launches: int = 0
+    #: (KV head, tile) pairs tested, and those whose V no query head read (``protocol.PHASE_COUNTERS``)
+    v_tested: int = 0
+    v_skipped: int = 0
 
     @property
     def sparsity(self) -> float | None:
@@ -169,8 +172,9 @@ def format_phases(phases: dict[str, Any]) -> str:
     parts = []
     for phase, c in phases.items():
         ratio = f"{c['skipped'] / c['visited']:.1%}" if c["visited"] else "n/a"
-        parts.append(f"{phase} {ratio} of {c['visited']} tiles ({c['launches']} sparse, {c['dense_launches']} dense, "
-                     f"{c['native_launches']} native launches)")
+        v_unread = f", V unread {c['v_skipped'] / c['v_tested']:.1%}" if c.get("v_tested") else ""
+        parts.append(f"{phase} {ratio} of {c['visited']} tiles{v_unread} ({c['launches']} sparse, "
+                     f"{c['dense_launches']} dense, {c['native_launches']} native launches)")
     return "; ".join(parts)
 
 

@@ -75,3 +75,13 @@ def test_rounds_of_other_workloads_are_refused():
     other["workloads"][0]["name"] = "8000x1"
     with pytest.raises(ValueError, match="different workloads"):
         bench.pool_rounds(_child([1.0]), other)
+
+
+def test_the_v_tile_fraction_is_the_kernels_union_count_and_absent_where_not_counted():
+    """Counts [skipped, visited, v_tested, v_skipped] (the compiled CPU kernel's): 40 of 80 tiles skipped per head,
+    6 of 20 (KV head, tile) pairs with V unread; an older two-count record has no V fraction."""
+    counted = [{"window": {"decode": [1.0, 0.5, 8]}, "decoded": 8, "counts": {"decode": [40, 80, 20, 6]}}]
+    t = bench.phase_timings(counted, "decode")
+    assert t["sparsity"] == pytest.approx(0.5) and t["v_sparsity"] == pytest.approx(0.3)
+    old = [{"window": {"decode": [1.0, 0.5, 8]}, "decoded": 8, "counts": {"decode": [40, 80]}}]
+    assert bench.phase_timings(old, "decode")["v_sparsity"] is None

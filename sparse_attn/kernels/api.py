@@ -125,8 +125,10 @@ def _accumulated(batch, spec, threshold, counters, out, backend, split_k, check)
     else:
         lam = lambdas(threshold, batch.num_seqs, reads_device=True)
     counting = counters is not None
+    v_tiles = torch.empty(2, dtype=torch.int64) if counting and getattr(backend, "COUNTS_V_TILES", False) else None
+    extra = {} if v_tiles is None else {"v_counts": v_tiles}
     out, skipped, visited = backend.forward(batch, spec, meta, threshold=lam, count_thresholds=lam[None, :] if counting
-                                            else None, out=out, split_k=split_k)
+                                            else None, out=out, split_k=split_k, **extra)
     if counting:
         # the rule of COUNTER_SLOTS, on host ints: tiles of sequences with lambda > 0, one launch
         sparse = any(l > 0 and q > 0 for l, q in zip(lam.tolist(), meta.q_lens))
@@ -134,6 +136,8 @@ def _accumulated(batch, spec, threshold, counters, out, backend, split_k, check)
         if sparse:                          # host tensors: read without an op per sum
             row[COUNTER_SLOTS["skipped"]], row[COUNTER_SLOTS["visited"]] = sum(skipped.view(-1).tolist()), \
                 sum(visited.tolist())
+            if v_tiles is not None:
+                row[COUNTER_SLOTS["v_tested"]], row[COUNTER_SLOTS["v_skipped"]] = v_tiles.tolist()
         row[COUNTER_SLOTS["launches" if sparse else "dense_launches"]] = 1
         counters.add_(torch.tensor(row, dtype=torch.int64))
     return out, None, None

@@ -38,7 +38,7 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "skip_attn_cpu.cpp"
 HEADERS = ("sa_simd.h", "sa_kernels.h")
 #: The C ABI (``kAbiVersion`` in the source); :class:`SaCall` and the tile sizes are checked
 #: against the library's own ``sa_layout`` when it is opened.
-ABI_VERSION = 5
+ABI_VERSION = 6
 #: Seconds one compile may take before it is abandoned (measured: ~7 s of CPU time with g++ 12).
 COMPILE_TIMEOUT_S = 600
 # -O2, not -O3: the micro-kernels carry their own unroll pragmas, so -O3 bought nothing
@@ -70,6 +70,7 @@ class SaCall(ctypes.Structure):
         ("seq_lens", ctypes.c_void_p), ("qsl", ctypes.c_void_p), ("sl_s", ctypes.c_int64), ("qsl_s", ctypes.c_int64),
         ("lam", ctypes.c_void_p), ("count_lam", ctypes.c_void_p),
         ("sink_logits", ctypes.c_void_p), ("skipped", ctypes.c_void_p), ("visited", ctypes.c_void_p),
+        ("v_counts", ctypes.c_void_p),
     ]
 
 

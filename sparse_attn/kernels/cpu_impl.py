@@ -25,6 +25,9 @@ logger = logging.getLogger("sparse_attn")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 #: Cache dtypes: the query's, or an fp8 cache (dequantised with the layer's k/v scales).
 _KV_DTYPES = {**_DTYPES, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
+#: ``forward(v_counts=)``: this kernel counts the V tiles it did not read (the union over a KV group's query heads),
+#: which a serving launch adds to ``COUNTER_SLOTS`` "v_tested" / "v_skipped".
+COUNTS_V_TILES = True
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,7 @@ def forward(
     count_thresholds: torch.Tensor | None,
     out: torch.Tensor,
     split_k: int = SPLIT_K,
+    v_counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The backend contract of :mod:`sparse_attn.kernels.api`: fill ``out`` [T, Hq, D] and
     return ``(out, skipped int64 [n, Hq] | None, visited int64 [Hq] | None)`` for
@@ -164,13 +168,17 @@ def forward(
     ``k_scale`` / ``v_scale`` (floats or 1-element CPU tensors; fp8 caches ``float8_e4m3fn`` /
     ``float8_e5m2`` hold values / scale).
 
+    ``v_counts``: an int64 ``[2]`` CPU tensor the kernel writes (:data:`COUNTS_V_TILES`): the (KV head's query
+    heads, tile) pairs tested under ``threshold`` (> 0), and those no query head kept (V not read).
+
     Needs :func:`status` ``().available`` and :func:`supports`; threads: ``torch.get_num_threads()``.
     """
     lib = _state.get("lib")
     if lib is None:
         require()
         lib = _state["lib"]
-    call = make_call(batch, spec, threshold=threshold, count_thresholds=count_thresholds, out=out, split_k=split_k)
+    call = make_call(batch, spec, threshold=threshold, count_thresholds=count_thresholds, out=out, split_k=split_k,
+                     v_counts=v_counts)
     rc = lib.sa_forward(ctypes.byref(call.c))
     if rc in (cpu_build.BAD_BLOCK_ID, cpu_build.BAD_BLOCK_TABLE):
         # The library refused before reading anything; the checks say where (every argument
@@ -199,7 +207,7 @@ class Call:
 
 
 def make_call(batch: PagedBatch, spec: LayerSpec, *, threshold: torch.Tensor, count_thresholds: torch.Tensor | None,
-              out: torch.Tensor, split_k: int = SPLIT_K) -> Call:
+              out: torch.Tensor, split_k: int = SPLIT_K, v_counts: torch.Tensor | None = None) -> Call:
     """The ``SaCall`` of :func:`forward`'s arguments (pointers into the batch's own tensors)."""
     query, key_cache, value_cache, block_table = batch.query, batch.key_cache, batch.value_cache, batch.block_table
     num_seqs, hq = batch.num_seqs, batch.num_q_heads
@@ -245,7 +253,14 @@ def make_call(batch: PagedBatch, spec: LayerSpec, *, threshold: torch.Tensor, co
     c.sink_logits = None if sinks_f32 is None else sinks_f32.data_ptr()
     c.skipped = skipped.data_ptr()
     c.visited = visited.data_ptr()
-    return Call(c, skipped, visited, (out, query, key_cache, value_cache, seq_lens, qsl, lam, count_lam, bt, sinks_f32))
+    if v_counts is not None:
+        if v_counts.dtype != torch.int64 or v_counts.device.type != "cpu" or v_counts.shape != (2,) \
+                or not v_counts.is_contiguous():
+            raise ValueError(f"v_counts: expected a contiguous int64 [2] CPU tensor, got {v_counts.dtype} "
+                             f"{tuple(v_counts.shape)} on {v_counts.device}")
+        c.v_counts = v_counts.data_ptr()
+    return Call(c, skipped, visited, (out, query, key_cache, value_cache, seq_lens, qsl, lam, count_lam, bt, sinks_f32,
+                                      v_counts))
 
 
 def _index_tensor(t: torch.Tensor) -> torch.Tensor:

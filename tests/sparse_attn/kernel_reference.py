@@ -127,7 +127,7 @@ def _scale_value(x) -> float:
     return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
 
 
-def reference(batch, spec, lam=0.0, thresholds=(), split_k=SPLIT_K):
+def reference(batch, spec, lam=0.0, thresholds=(), split_k=SPLIT_K, v_tiles: dict | None = None):
     """Brute-force float64 attention with the documented tile skip rule, written from the
     text of ``sparse_attn/kernels/_common.py`` alone.
 
@@ -137,6 +137,10 @@ def reference(batch, spec, lam=0.0, thresholds=(), split_k=SPLIT_K):
     visited [Hq], skipped_per_threshold [len(thresholds), Hq])``; ``visited`` counts the
     tiles of the sequences whose ``lam`` or some threshold is > 0 (one a tile can be
     skipped under: what serving and calibration both count).
+
+    ``v_tiles``: a dict that receives ``tested`` (the (sequence, query tile, KV head, tile)
+    visits of sequences whose ``lam`` is > 0) and ``skipped`` (those every query head of the
+    KV head skips under ``lam``: the V tiles a kernel packing the group's heads does not read).
     """
     spec = spec if isinstance(spec, LayerSpec) else LayerSpec(float(spec))
     q, k, v, bt, seq_lens, qsl = (batch.query, batch.key_cache, batch.value_cache, batch.block_table,
@@ -151,6 +155,7 @@ def reference(batch, spec, lam=0.0, thresholds=(), split_k=SPLIT_K):
     visited = torch.zeros(hq, dtype=torch.int64)
     per_thr = torch.zeros(len(thresholds), hq, dtype=torch.int64)
     lams = [float(x) for x in lam] if isinstance(lam, (list, tuple)) else [float(lam)] * len(seq_lens)
+    group_skips: dict[tuple, bool] = {}  # (s, qt, kv head, t) -> every head so far skipped it
     for s in range(len(seq_lens)):
         n, a, b = int(seq_lens[s]), int(qsl[s]), int(qsl[s + 1])
         q_len = b - a
@@ -198,10 +203,15 @@ def reference(batch, spec, lam=0.0, thresholds=(), split_k=SPLIT_K):
                         skipped[h] += 1
                     else:
                         keep[r0:r1, c0:c1] = True
+                    if lam_s > 0:
+                        key = (s, qt, h // g, t)
+                        group_skips[key] = group_skips.get(key, True) and ratio < lam_s
                     m = torch.maximum(m, tmax)
             logits = scores.masked_fill(~keep, float("-inf"))
             if sinks is not None:    # one more logit per head, in the denominator only
                 logits = torch.cat([logits, sinks[h].expand(q_len, 1)], 1)
             p = logits.softmax(-1)[:, :n]
             out[a:b, h] = p @ vals[:, h // g]
+    if v_tiles is not None:
+        v_tiles.update(tested=len(group_skips), skipped=sum(group_skips.values()))
     return out, skipped, visited, per_thr

@@ -235,7 +235,8 @@ def test_degenerate_lambdas_in_uniform_decode_run_dense_without_a_host_branch(sc
     n = md.num_actual_tokens
     torch.testing.assert_close(output[:n], dense(query[:n], kv_cache, md), rtol=1e-5, atol=1e-5)
     decode = stats.snapshot()["phases"]["decode"]
-    assert decode == {"skipped": 0, "visited": 0, "launches": 0, "native_launches": 0, "dense_launches": 1}
+    assert decode == {"skipped": 0, "visited": 0, "launches": 0, "native_launches": 0, "dense_launches": 1,
+                      "v_tested": 0, "v_skipped": 0}
 
 
 def test_profiling_run_without_metadata_is_native():

@@ -63,12 +63,14 @@ def test_rule_and_counters_equal_the_reference_sequence_by_sequence(case, impl):
                           check=False)
     lams = effective_lambda(SCALE_FACTOR, batch.seq_lens, window).tolist()
     assert 0.0 in lams and any(lam > 0 for lam in lams)
-    skipped = visited = 0
+    skipped = visited = v_tested = v_skipped = 0
     for s, lam in enumerate(lams):
         if q_lens[s] == 0:
             continue
         alone = _seq_alone(batch, s)
-        ref, ref_skipped, ref_visited, _ = reference(alone, spec, lam=lam)
+        v_tiles = {}
+        ref, ref_skipped, ref_visited, _ = reference(alone, spec, lam=lam, v_tiles=v_tiles)
+        v_tested, v_skipped = v_tested + v_tiles["tested"], v_skipped + v_tiles["skipped"]
         a, b = int(batch.query_start_loc[s]), int(batch.query_start_loc[s + 1])
         torch.testing.assert_close(out[a:b].double(), ref, atol=2e-5, rtol=1e-5)
         if lam > 0:                 # counted only where the sequence's lambda is > 0 (every kernel)
@@ -76,6 +78,10 @@ def test_rule_and_counters_equal_the_reference_sequence_by_sequence(case, impl):
             visited += int(ref_visited.sum())
     assert skipped > 0
     expected = dict.fromkeys(PHASE_COUNTERS, 0) | dict(skipped=skipped, visited=visited, launches=1)
+    if getattr(cpu_impl if impl == "compiled" else None, "COUNTS_V_TILES", False):
+        # the V tiles no query head of the group kept: fewer than the per-head skips imply
+        assert 0 < v_skipped < v_tested and v_skipped / v_tested < skipped / visited
+        expected |= dict(v_tested=v_tested, v_skipped=v_skipped)
     assert dict(zip(PHASE_COUNTERS, counters.tolist())) == expected
     # a second launch adds to the same counters
     paged_attention(batch, spec, threshold=LambdaRule(SCALE_FACTOR, window), counters=counters, impl=impl, check=False)

@@ -78,21 +78,23 @@ def snapshot(phases):
 
 
 def test_phase_totals_sum_over_workers():
-    workers = [snapshot({"decode": (3, 10, 1, 0, 2)}), snapshot({"decode": (4, 20, 2, 5, 0)})]
+    workers = [snapshot({"decode": (3, 10, 1, 0, 2, 4, 1)}), snapshot({"decode": (4, 20, 2, 5, 0, 8, 2)})]
     assert protocol.phase_totals(workers, "decode") == {"skipped": 7, "visited": 30, "launches": 3,
-                                                        "native_launches": 5, "dense_launches": 2}
+                                                        "native_launches": 5, "dense_launches": 2,
+                                                        "v_tested": 12, "v_skipped": 3}
 
 
 def test_snapshot_has_the_protocol_keys_and_device_counts_add_in():
     stats = WorkerStats()
     stats.add("prefill", 3, 10)
     with torch.inference_mode():  # as vLLM runs forwards: the accumulator is an inference tensor
-        stats.device_counter("decode", torch.device("cpu")).add_(torch.tensor([2, 8, 1, 0, 0]))
-        stats.device_counter("decode", torch.device("cpu")).add_(torch.tensor([1, 8, 1, 0, 0]))
+        stats.device_counter("decode", torch.device("cpu")).add_(torch.tensor([2, 8, 1, 0, 0, 3, 1]))
+        stats.device_counter("decode", torch.device("cpu")).add_(torch.tensor([1, 8, 1, 0, 0, 3, 0]))
     stats.set_install({"installed": 2, "total": 2, "backends": ["CPU_ATTN"]}, ("LlamaAttention",))
     snap = stats.snapshot(reset=True)
     assert set(snap) | {"rank"} == set(protocol.SNAPSHOT_KEYS)
-    assert snap["phases"]["decode"] == {"skipped": 3, "visited": 16, "launches": 2, "native_launches": 0, "dense_launches": 0}
+    assert snap["phases"]["decode"] == {"skipped": 3, "visited": 16, "launches": 2, "native_launches": 0, "dense_launches": 0,
+                                        "v_tested": 6, "v_skipped": 1}
     assert snap["phases"]["prefill"]["skipped"] == 3 and snap["install"]["backends"] == ["CPU_ATTN"]
     assert json.loads(json.dumps(snap)) == snap, "the RPC answer must serialise"
     after = stats.snapshot()
@@ -107,3 +109,13 @@ def test_sparsity_line_is_logged_once_per_worker_per_interval(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and all(l.startswith("sparse-attn: achieved sparsity: prefill n/a") for l in lines)
     assert stats.maybe_log(0, now=1e9) is False, "interval 0 turns the line off"
+
+
+def test_the_log_line_says_how_many_v_tiles_went_unread_where_a_kernel_counted_them():
+    from sparse_attn.stats import format_phases
+
+    counted = dict(zip(protocol.PHASE_COUNTERS, (40, 100, 3, 0, 0, 50, 15)))
+    uncounted = dict(zip(protocol.PHASE_COUNTERS, (40, 100, 3, 0, 0, 0, 0)))  # Triton / torch: no V-tile counts
+    line = format_phases({"decode": counted, "prefill": uncounted})
+    assert line.startswith("decode 40.0% of 100 tiles, V unread 30.0% (3 sparse")
+    assert "prefill 40.0% of 100 tiles (3 sparse" in line

@@ -43,7 +43,7 @@ using namespace sa;
 
 namespace {
 
-constexpr int kAbiVersion = 5;
+constexpr int kAbiVersion = 6;
 // sa_forward's return codes (cpu_impl.forward turns each into an error).
 constexpr int kOk = 0, kIsaMissing = 1, kBadCall = 2, kOutOfMemory = 3, kBadBlockId = 4, kBadBlockTable = 5;
 constexpr int TILE_Q = 64;  // checked against _common.TILE_Q at load (sa_layout)
@@ -114,6 +114,11 @@ struct SaCall {
   const float* sink_logits;  // [num_q_heads] learned sink logits, or null
   int64_t* skipped;         // [num_counts, num_q_heads], written (zeroed first)
   int64_t* visited;         // [num_q_heads], written (the count is the same for every head)
+  // [2], written, or null: the (item, tile) pairs tested under the serving lambda (lam > 0), and
+  // those of them no query head of the item kept, whose V was therefore not read.  An item packs
+  // the query heads of one KV head, so this is the V-tile fraction skipped (the union over the
+  // group), which the per-head counts only bound from above.  (ABI 6)
+  int64_t* v_counts;
 };
 }
 
@@ -124,7 +129,7 @@ struct SaCall {
   X(window) X(split_tiles) X(num_threads) X(num_counts) X(bt_is64) X(sl_is64) X(qsl_is64) X(num_blocks)     \
   X(bt_cols) X(scale) X(soft_cap) X(v_scale) X(q) X(q_st) X(q_sh) X(q_sd) X(out) X(o_st) X(o_sh) X(o_sd)    \
   X(k) X(k_sb) X(k_st) X(k_sh) X(k_sd) X(v) X(v_sb) X(v_st) X(v_sh) X(v_sd) X(bt) X(bt_s0) X(bt_s1)         \
-  X(seq_lens) X(qsl) X(sl_s) X(qsl_s) X(lam) X(count_lam) X(sink_logits) X(skipped) X(visited)
+  X(seq_lens) X(qsl) X(sl_s) X(qsl_s) X(lam) X(count_lam) X(sink_logits) X(skipped) X(visited) X(v_counts)
 
 namespace {
 
@@ -155,6 +160,7 @@ struct Scratch {
 struct Counts {
   std::vector<int64_t> skipped;
   int64_t visited = 0;
+  int64_t v_tested = 0, v_skipped = 0;  // SaCall.v_counts
 };
 
 inline int64_t block_at(const SaCall& c, int s, int64_t col) {
@@ -268,6 +274,7 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
   // serving's achieved sparsity and calibration's counts share that denominator (_common).
   bool count_visited = false;
   for (int j = 0; j < c.num_counts; ++j) count_visited |= c.count_lam[int64_t(j) * S + s] > 0.0f;
+  const bool count_v = test && c.v_counts && lam_s > 0.0f;
   const KVT* kh = static_cast<const KVT*>(c.k) + int64_t(kvh) * c.k_sh;  // this KV head's K and V
   const KVT* vh = static_cast<const KVT*>(c.v) + int64_t(kvh) * c.v_sh;
   const float* kpanel[TILE_K / PANEL];
@@ -409,6 +416,10 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
       }
     }
     PROF(P_EXP);
+    if (count_v) {
+      cnt.v_tested += 1;
+      cnt.v_skipped += !any;
+    }
     if (!any) continue;  // no head keeps the tile: V is not read
     // ---- V rows (token-major)
     if (VD) {
@@ -484,6 +495,7 @@ int run(const SaCall& c) {
   // saves the two fills per layer and step that zeroed them on the Python side.
   if (c.skipped) std::fill(c.skipped, c.skipped + int64_t(c.num_counts) * c.num_q_heads, int64_t(0));
   if (c.visited) std::fill(c.visited, c.visited + c.num_q_heads, int64_t(0));
+  if (c.v_counts) c.v_counts[0] = c.v_counts[1] = 0;
   std::vector<Item> items;
   for (int s = 0; s < S; ++s) {
     const int64_t kv = info[s], ql = info[2 * S + s];
@@ -564,6 +576,10 @@ int run(const SaCall& c) {
     for (size_t i = 0; i < cnt.skipped.size(); ++i) c.skipped[i] += cnt.skipped[i];
     if (c.visited)
       for (int h = 0; h < c.num_q_heads; ++h) c.visited[h] += cnt.visited;
+    if (c.v_counts) {
+      c.v_counts[0] += cnt.v_tested;
+      c.v_counts[1] += cnt.v_skipped;
+    }
   }
   return kOk;
 }
