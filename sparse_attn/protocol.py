@@ -35,7 +35,7 @@ STATS_RPC = "sparse_attn_stats"
 CALIBRATION_ENV = "SPARSE_ATTN_CALIBRATION_SCALES"
 
 #: Integer counters of one phase in a snapshot's ``phases[phase]``: tiles skipped / visited per query head, launches
-#: (sparse, native, dense), and (from kernels that count them: the compiled CPU one) the (KV head, tile) pairs
+#: (sparse, native, dense), and (from kernels that count them: the compiled CPU and Triton ones) the (KV head, tile) pairs
 #: tested and those whose V no query head of the group read: ``v_skipped / v_tested`` is the V-tile fraction
 #: actually not read, at most ``skipped / visited``.
 PHASE_COUNTERS: tuple[str, ...] = ("skipped", "visited", "launches", "native_launches", "dense_launches",

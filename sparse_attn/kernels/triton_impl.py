@@ -123,6 +123,8 @@ def kv_programs(num_seqs: int, head_programs: int, max_kv: int, split_k: int, wi
 
 #: :mod:`.api`: this backend adds a launch's counts to a counter tensor itself (atomics).
 COUNTS_IN_KERNEL = True
+#: The kernel adds the V tiles it did not read to ``COUNTER_SLOTS`` "v_tested" / "v_skipped" (ACCUMULATE).
+COUNTS_V_TILES = True
 
 
 def _interpreting() -> bool:
@@ -345,6 +347,7 @@ def prepare(
              TILE_MAP=grid.phase != "decode", LAM_RULE=rule, ACCUMULATE=accumulate,
              SLOT_SKIPPED=COUNTER_SLOTS["skipped"], SLOT_VISITED=COUNTER_SLOTS["visited"],
              SLOT_LAUNCHES=COUNTER_SLOTS["launches"], SLOT_DENSE=COUNTER_SLOTS["dense_launches"],
+             SLOT_V_TESTED=COUNTER_SLOTS["v_tested"], SLOT_V_SKIPPED=COUNTER_SLOTS["v_skipped"],
              num_warps=cfg.num_warps, num_stages=cfg.num_stages)))
     if grid.split:
         plan.calls.append(KernelCall(

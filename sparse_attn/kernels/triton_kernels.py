@@ -110,6 +110,7 @@ def paged_attn_kernel(
     SCALE_PTRS: tl.constexpr, COUNT: tl.constexpr, SPLIT: tl.constexpr, FP32_DOT: tl.constexpr,
     TILE_MAP: tl.constexpr, LAM_RULE: tl.constexpr, ACCUMULATE: tl.constexpr,
     SLOT_SKIPPED: tl.constexpr, SLOT_VISITED: tl.constexpr, SLOT_LAUNCHES: tl.constexpr, SLOT_DENSE: tl.constexpr,
+    SLOT_V_TESTED: tl.constexpr, SLOT_V_SKIPPED: tl.constexpr,
 ):
     N_HCHUNKS: tl.constexpr = (GROUP + HEADS - 1) // HEADS
     ROWS: tl.constexpr = HEADS * BLOCK_M
@@ -195,6 +196,7 @@ def paged_attn_kernel(
         thresh = tl.load(THRESH + seq * BLOCK_T + offs_t, mask=offs_t < num_thresh, other=-1.0)
     skip_cnt = tl.zeros([HEADS, BLOCK_T], tl.int32)
     skip_h = tl.zeros([HEADS], tl.int32)                   # ACCUMULATE: tiles each head skipped
+    v_skip = 0                                             # ACCUMULATE: tiles no head of the program kept (V unread)
 
     # The anchor's maxima seed the dense running max, and every later split restarts from
     # them (the rule).  A program that does not start at the anchor (a windowed one, or a
@@ -242,7 +244,10 @@ def paged_attn_kernel(
         if ACCUMULATE:
             skip_h += ((ratio_h < lam_s) & prog_head_ok).to(tl.int32)
         keep_h = ~(ratio_h < lam_s) & prog_head_ok                                # a NaN ratio keeps the tile
-        if tl.max(keep_h.to(tl.int32), 0) > 0:
+        any_keep = tl.max(keep_h.to(tl.int32), 0) > 0
+        if ACCUMULATE:
+            v_skip += 1 - any_keep.to(tl.int32)
+        if any_keep:
             keep = tl.max(tl.where(same_head & keep_h[:, None], 1, 0), 0) > 0          # [ROWS]
             m_new = tl.where(keep, tl.maximum(m_ref, tile_max), m_ref)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -293,6 +298,9 @@ def paged_attn_kernel(
             n_heads = tl.sum(prog_head_ok.to(tl.int32), 0)
             tl.atomic_add(COUNTERS + SLOT_SKIPPED, tl.sum(skip_h, 0).to(tl.int64))
             tl.atomic_add(COUNTERS + SLOT_VISITED, (n_heads * tl.maximum(t_hi - t_lo, 0)).to(tl.int64))
+            # the V tiles this program did not read (its heads: a KV group's, or a chunk of one)
+            tl.atomic_add(COUNTERS + SLOT_V_TESTED, tl.maximum(t_hi - t_lo, 0).to(tl.int64))
+            tl.atomic_add(COUNTERS + SLOT_V_SKIPPED, v_skip.to(tl.int64))
         if (pid == 0) & (tl.program_id(1) == 0) & (sp == 0):
             _count_launch(COUNTERS, SEQ_LENS, QSL, LAM, num_seqs, lam_hi, lam_mid, lam_lo, lam_window,
                           LAM_RULE, SLOT_LAUNCHES, SLOT_DENSE)

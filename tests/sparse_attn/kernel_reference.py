@@ -127,7 +127,8 @@ def _scale_value(x) -> float:
     return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
 
 
-def reference(batch, spec, lam=0.0, thresholds=(), split_k=SPLIT_K, v_tiles: dict | None = None):
+def reference(batch, spec, lam=0.0, thresholds=(), split_k=SPLIT_K, v_tiles: dict | None = None,
+              heads_per_item: int | None = None):
     """Brute-force float64 attention with the documented tile skip rule, written from the
     text of ``sparse_attn/kernels/_common.py`` alone.
 
@@ -140,7 +141,9 @@ def reference(batch, spec, lam=0.0, thresholds=(), split_k=SPLIT_K, v_tiles: dic
 
     ``v_tiles``: a dict that receives ``tested`` (the (sequence, query tile, KV head, tile)
     visits of sequences whose ``lam`` is > 0) and ``skipped`` (those every query head of the
-    KV head skips under ``lam``: the V tiles a kernel packing the group's heads does not read).
+    KV head skips under ``lam``: the V tiles a kernel packing the group's heads does not read);
+    ``heads_per_item``: a kernel that packs only this many of a group's heads together reads V
+    once per such chunk (default: the whole group).
     """
     spec = spec if isinstance(spec, LayerSpec) else LayerSpec(float(spec))
     q, k, v, bt, seq_lens, qsl = (batch.query, batch.key_cache, batch.value_cache, batch.block_table,
@@ -155,7 +158,7 @@ def reference(batch, spec, lam=0.0, thresholds=(), split_k=SPLIT_K, v_tiles: dic
     visited = torch.zeros(hq, dtype=torch.int64)
     per_thr = torch.zeros(len(thresholds), hq, dtype=torch.int64)
     lams = [float(x) for x in lam] if isinstance(lam, (list, tuple)) else [float(lam)] * len(seq_lens)
-    group_skips: dict[tuple, bool] = {}  # (s, qt, kv head, t) -> every head so far skipped it
+    group_skips: dict[tuple, bool] = {}  # (s, qt, kv head, head chunk, t) -> every head so far skipped it
     for s in range(len(seq_lens)):
         n, a, b = int(seq_lens[s]), int(qsl[s]), int(qsl[s + 1])
         q_len = b - a
@@ -204,7 +207,7 @@ def reference(batch, spec, lam=0.0, thresholds=(), split_k=SPLIT_K, v_tiles: dic
                     else:
                         keep[r0:r1, c0:c1] = True
                     if lam_s > 0:
-                        key = (s, qt, h // g, t)
+                        key = (s, qt, h // g, (h % g) // (heads_per_item or g), t)
                         group_skips[key] = group_skips.get(key, True) and ratio < lam_s
                     m = torch.maximum(m, tmax)
             logits = scores.masked_fill(~keep, float("-inf"))
