@@ -389,7 +389,11 @@ def main(argv=None):
     cfgs = [("prefill-4k", 1, 4096, 4096, *dims), ("prefill-16k", 1, 16384, a.prefill_16k_q, *dims),
             ("decode-4k", a.decode_batch, 4096, 1, *dims), ("decode-16k", a.decode_batch, 16384, 1, *dims),
             # Per-call overhead at the sizes the CPU serving adapter sees (tiny model, per layer per step).
-            ("small-decode", 16, 512, 1, 4, 2, 32), ("small-prefill", 1, 2048, 2048, 4, 2, 32)]
+            ("small-decode", 16, 512, 1, 4, 2, 32), ("small-prefill", 1, 2048, 2048, 4, 2, 32),
+            # SmolLM2-135M's decode layer (9 / 3 heads, head 64) at the serving benchmark's short contexts,
+            # where "never slower than skipping off" is hardest (the kernel is short, the skip test the same).
+            ("smol-decode-2k", 1, 2048, 1, 9, 3, 64), ("smol-decode-4k", 1, 4096, 1, 9, 3, 64),
+            ("smol-decode-4x2k", 4, 2048, 1, 9, 3, 64)]
     if keep:
         cfgs = [c for c in cfgs if c[0] in keep]
     print(f"device={a.device} impl={a.impl} layout={a.layout} dtype={a.dtype} page={a.page_size} TILE_Q={TILE_Q} TILE_K={TILE_K} "
