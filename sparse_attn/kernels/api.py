@@ -11,7 +11,9 @@ has this one function)::
             ) -> (out, skipped int64 [n, Hq] | None, visited int64 [Hq] | None)
 
 ``meta`` is the host copy of the batch (``None`` only on the Triton capture path); the
-counts are ``None`` when ``count_thresholds`` is.  Arguments arrive validated (or
+counts are ``None`` when ``count_thresholds`` is. A backend with ``COUNTS_V_TILES`` that
+returns its counts (the compiled CPU kernel) also takes ``v_counts`` (int64 ``[2]``, written:
+V-tile visits tested and those left unread); Triton adds the same into ``counters`` itself.  Arguments arrive validated (or
 ``check=False``: the caller vouches for them); ``T > 0``.
 """
 
