@@ -388,6 +388,8 @@ def main() -> int:
     ap.add_argument("--calib-samples", type=int, default=3, help="prompts for --calibrate (default 3)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {CONFIGS}")
     ap.add_argument("--results", default=None, help="also write the markdown report here")
+    ap.add_argument("--plot", default=None, metavar="PNG",
+                    help="--decode-timing steps: also draw the run (benchmarks/plot_serving.py; needs matplotlib)")
     ap.add_argument("--timeout", type=int, default=1200, help="seconds per engine subprocess")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--prompts-json", default=None, help=argparse.SUPPRESS)
@@ -404,6 +406,13 @@ def main() -> int:
         ap.error("--workloads needs --decode-timing steps")
     if args.rounds < 1 or (args.rounds > 1 and args.decode_timing != "steps"):
         ap.error("--rounds must be >= 1, and more than one needs --decode-timing steps")
+    if args.plot:
+        if args.decode_timing != "steps":
+            ap.error("--plot needs --decode-timing steps")
+        try:
+            import matplotlib  # noqa: F401  (refused now, not after the engines ran)
+        except ImportError:
+            ap.error("--plot needs matplotlib (pip install matplotlib)")
     if args.baseline_tree and not (Path(args.baseline_tree) / "sparse_attn" / "plugin.py").is_file():
         ap.error(f"--baseline-tree {args.baseline_tree}: no sparse_attn/plugin.py there (expected a sparse-attn "
                  "source tree, e.g. `git worktree add DIR COMMIT`)")
@@ -715,6 +724,7 @@ def steps_report(args, results: dict, workloads, base: Path, started: float, loa
     print()
     print(text)
     (Path(args.workdir) / "summary.json").write_text(json.dumps({"bound_table": summary, "calibration": cal}, indent=2))
+
     if args.results:
         old = Path(args.results).read_text() if Path(args.results).exists() else ""
         keep = old[old.index(ANALYSIS_MARKER):] if ANALYSIS_MARKER in old else ""
@@ -722,6 +732,11 @@ def steps_report(args, results: dict, workloads, base: Path, started: float, loa
                                       "## Where the time goes, against the bound (`--decode-timing steps`)\n\n" + text
                                       + ("\n" + keep if keep else ""))
         print(f"wrote {args.results}")
+    if args.plot:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from plot_serving import draw
+
+        print(f"wrote {draw({'bound_table': summary}, Path(args.plot), title=_describe_model(args, base))}")
     return 0
 
 
