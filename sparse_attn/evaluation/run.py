@@ -27,7 +27,7 @@ from typing import Any
 from compat import envs
 from sparse_attn.errors import CliError
 from sparse_attn.evaluation import metrics
-from sparse_attn.evaluation.engine import PROGRESS_PREFIX, TOP_K
+from sparse_attn.evaluation.engine import PROGRESS_PREFIX, TOP_K, kv_bytes_per_token
 from sparse_attn.protocol import PHASES
 from sparse_attn.workloads.lengths import TASK_PROMPT_MARGIN, default_lengths
 from sparse_attn.workloads.tasks import EVAL_TASKS, build_samples
@@ -139,11 +139,9 @@ def _head_dim(model_cfg: dict) -> int:
 
 
 def _kv_cache_bytes(model_cfg: dict, tokens: int) -> int:
-    """Room for one cell's batch: K and V of every layer at float32, 25 % headroom, 1-4 GiB."""
-    text = model_cfg.get("text_config") or model_cfg
-    head = _head_dim(model_cfg)
-    per_token = 2 * text["num_hidden_layers"] * text.get("num_key_value_heads", text["num_attention_heads"]) * head * 4
-    return int(min(max(1 << 30, per_token * tokens * 1.25), 4 << 30))
+    """Room for one cell's batch: K and V of every layer at float32, 25 % headroom, 1-4 GiB (a cell over 4 GiB
+    runs in batches that fit: ``engine.prompts_per_batch``)."""
+    return int(min(max(1 << 30, kv_bytes_per_token(model_cfg) * tokens * 1.25), 4 << 30))
 
 
 class EngineFailed(CliError):

@@ -353,9 +353,17 @@ def _fake_engine_process(monkeypatch, kill_at=None):
     return calls
 
 
-def _engine_job():
-    return {"checkpoint": "C", "dtype": "float32", "max_model_len": 64, "seed": 0, "decode_tokens": 1,
-            "kv_cache_bytes": 1, "teacher_forced": True, "section": None, "top_k": 20,
+#: A checkpoint's config.json as the engine reads it to batch a cell: 2 layers x 1 KV head x head 4 at float32 =
+#: 64 bytes of KV per token; 80 tokens (max_model_len 64 + 16 of slack) with 25 % headroom -> 6400 bytes per prompt.
+_TINY_CONFIG = {"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "hidden_size": 8}
+
+
+def _engine_job(tmp_path, prompts_at_once=100):
+    (tmp_path / "ckpt").mkdir(exist_ok=True)
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(_TINY_CONFIG))
+    return {"checkpoint": str(tmp_path / "ckpt"), "dtype": "float32", "max_model_len": 64, "seed": 0,
+            "decode_tokens": 1, "kv_cache_bytes": 6400 * prompts_at_once, "teacher_forced": True, "section": None,
+            "top_k": 20,
             "cells": [{"task": "niah_single", "length": 1024, "prompts": [[1, 2, 3], [1, 2]], "answer_ids": [[9], [9]]},
                       {"task": "niah_single", "length": 2048, "prompts": [[1, 2, 3, 4, 5]], "answer_ids": [[8, 8]]},
                       {"task": "qa", "length": 1024, "prompts": [[4, 4, 4, 4]], "answer_ids": [[7]]}]}
@@ -366,7 +374,7 @@ def test_a_killed_engine_resumes_after_its_last_finished_cell(tmp_path, monkeypa
     job runs cells 2 and 3 only (cell 1's passes are not repeated) and its output is an uninterrupted run's."""
     from sparse_attn.evaluation import engine
 
-    job = _engine_job()
+    job = _engine_job(tmp_path)
     clean = _fake_engine_process(monkeypatch)
     whole = engine.run_job(job)
     assert clean["llm"] == 1 and len(clean["generate"]) == 1 + 2 * 3  # the warm-up; teacher-forced + generate per cell
@@ -386,10 +394,26 @@ def test_a_killed_engine_resumes_after_its_last_finished_cell(tmp_path, monkeypa
     assert capsys.readouterr().out.splitlines() == [f"{engine.PROGRESS_PREFIX} {k} 3" for k in (1, 2, 3)]
 
 
+def test_a_cell_over_the_kv_cache_runs_in_batches_that_fit(tmp_path, monkeypatch):
+    """A cache for one prompt at a time: each prompt's teacher-forced pass, then its generate pass (which finds its
+    blocks still cached), cell 1's two prompts in two batches; the output is a one-batch run's."""
+    from sparse_attn.evaluation import engine
+
+    _fake_engine_process(monkeypatch)
+    whole = engine.run_job(_engine_job(tmp_path))
+    calls = _fake_engine_process(monkeypatch)
+    job = _engine_job(tmp_path, prompts_at_once=1)
+    assert engine.prompts_per_batch(job) == 1 and engine.prompts_per_batch(_engine_job(tmp_path)) == 100
+    one_by_one = engine.run_job(job)
+    assert calls["generate"] == [[3], [4], [3], [3], [2], [7], [5], [5], [4]]  # warm-up; per prompt: forced, generate
+    strip = lambda r: [{k: v for k, v in c.items() if not k.endswith("_s")} for c in r["cells"]]  # noqa: E731
+    assert strip(one_by_one) == strip(whole)
+
+
 def test_a_partial_output_of_another_job_is_not_read_back(tmp_path, monkeypatch):
     from sparse_attn.evaluation import engine
 
-    job = _engine_job()
+    job = _engine_job(tmp_path)
     partial = tmp_path / "out.json.partial"
     _fake_engine_process(monkeypatch, kill_at=[7])
     with pytest.raises(_Killed):
@@ -404,7 +428,7 @@ def test_the_engine_main_writes_its_output_and_drops_the_partial(tmp_path, monke
     from sparse_attn.evaluation import engine
 
     job_path, out = tmp_path / "job.json", tmp_path / "out.json"
-    job_path.write_text(json.dumps(_engine_job()))
+    job_path.write_text(json.dumps(_engine_job(tmp_path)))
     _fake_engine_process(monkeypatch)
     assert engine.main([str(job_path), str(out)]) == 0
     assert len(json.loads(out.read_text())["cells"]) == 3 and not engine.partial_path(out).exists()
