@@ -18,25 +18,10 @@ import os
 import sys
 import time
 import types
-from dataclasses import dataclass
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch  # noqa: E402
-
-
-@dataclass
-class Metadata:
-    """The fields of vLLM's CPU_ATTN metadata that ``compat.model.describe_batch`` reads."""
-
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    block_table: torch.Tensor
-    slot_mapping: torch.Tensor
-    num_actual_tokens: int
-    max_query_len: int
-    max_seq_len: int
-    causal: bool = True
 
 
 class _NativeImpl:
@@ -60,8 +45,11 @@ def build(seqs: int, kv: int, hq: int, hkv: int, d: int, page: int, scale_factor
     kv_cache = torch.randn(seqs * per_seq, hkv, page, 2 * d, generator=g)
     block_table = torch.arange(seqs * per_seq, dtype=torch.int32).view(seqs, per_seq)
     slots = torch.tensor([int(block_table[s, kv // page]) * page + kv % page for s in range(seqs)], dtype=torch.int64)
-    md = Metadata(torch.arange(seqs + 1, dtype=torch.int32), torch.full((seqs,), kv + 1, dtype=torch.int32), block_table,
-                  slots, num_actual_tokens=seqs, max_query_len=1, max_seq_len=kv + 1)
+    # The fields of vLLM's CPU_ATTN metadata that compat.model.describe_batch reads.
+    md = types.SimpleNamespace(query_start_loc=torch.arange(seqs + 1, dtype=torch.int32),
+                               seq_lens=torch.full((seqs,), kv + 1, dtype=torch.int32), block_table=block_table,
+                               slot_mapping=slots, num_actual_tokens=seqs, max_query_len=1, max_seq_len=kv + 1,
+                               causal=True)
     query = torch.randn(seqs, hq, d, generator=g)
     key, value = torch.randn(seqs, hkv, d, generator=g), torch.randn(seqs, hkv, d, generator=g)
     info = cmodel.LayerInfo(name="model.layers.0.self_attn.attn", owner_class="LlamaAttention", backend="CPU_ATTN",

@@ -4,7 +4,6 @@ times; a smoke run on a short cache, so the benchmark cannot rot unnoticed."""
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,6 @@ from sparse_attn.kernels import cpu_impl
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("adapter_overhead", ROOT / "benchmarks" / "adapter_overhead.py")
 bench = importlib.util.module_from_spec(_spec)
-sys.modules["adapter_overhead"] = bench  # its dataclass looks its module up there
 _spec.loader.exec_module(bench)
 
 
