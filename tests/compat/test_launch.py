@@ -114,3 +114,20 @@ def test_kv_cache_dtype_error_without_vllm_leaves_it_to_vllm(monkeypatch):
 
     monkeypatch.setattr(launch, "platform_is_cpu", no_vllm)
     assert launch.kv_cache_dtype_error("fp8", head_size=64) is None
+
+
+@pytest.mark.parametrize("cpu_ids", [[0], [1], [2, 3, 4], [5, 2, 9]], ids=["core0", "core1", "run", "scattered"])
+def test_cpu_engine_bind_env_reads_back_through_vllms_own_parser(cpu_ids):
+    """The binding one eval engine gets is a one-rank list that vLLM's own parser reads as those cores (vLLM
+    0.31+ parses ``VLLM_CPU_OMP_THREADS_BIND`` in ``vllm.utils.cpu_resource_utils``; it returns a core set,
+    sorted, so order is not part of the contract)."""
+    cr_utils = pytest.importorskip("vllm.utils.cpu_resource_utils")
+    env = launch.cpu_engine_bind_env(cpu_ids)
+    assert list(env) == [launch.CPU_OMP_THREADS_BIND_ENV]
+    ranks = env[launch.CPU_OMP_THREADS_BIND_ENV].split("|")
+    assert len(ranks) == 1 and cr_utils.parse_id_list(ranks[0]) == sorted(cpu_ids)
+
+
+def test_cpu_engine_bind_env_refuses_no_cores():
+    with pytest.raises(ValueError, match="no cores"):
+        launch.cpu_engine_bind_env([])

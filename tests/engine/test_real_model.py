@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,8 +47,11 @@ CALIB_ARGS = ["--calib_samples", "10", "--calib_max_seqlen", str(LENGTHS[1]), "-
               "--target_sparse_ratio", str(TARGET), "--update_checkpoint_config"]
 #: Every kind calibration saw (both defaults): the target holds for the calibration's mix, pooled; a subset of
 #: kinds lands elsewhere (niah + qa only: 44.8 % prefill, measured; docs/calibrate.md "What to calibrate on").
+#: Dense and sparse side by side, each on its own core, where this process may use two (vLLM alone binds an engine
+#: to one core of two): the eval's --engines_at_once on a real engine.
+ENGINES_AT_ONCE = 2 if len(os.sched_getaffinity(0)) >= 2 else 1
 EVAL_ARGS = ["--lengths", ",".join(map(str, LENGTHS)), "--samples", "1", "--decode_tokens", str(DECODE_TOKENS),
-             "--seed", "0", "--teacher_forced"]
+             "--seed", "0", "--teacher_forced", "--engines_at_once", str(ENGINES_AT_ONCE)]
 
 
 def _run(cmd: list[str], log: Path, timeout: int) -> None:
@@ -92,7 +96,21 @@ def evaluated(smollm2, tmp_path_factory) -> dict:
     _run([sys.executable, "-m", "sparse_attn", "eval", str(ckpt), *EVAL_ARGS, "--output", str(work / "eval.json"),
           "--workdir", str(work / "engines")], work / "eval.log", timeout=900)
     return {"calibration": json.loads((work / "calib.json").read_text()), "eval": json.loads((work / "eval.json").read_text()),
-            "calibrate_log": (work / "calibrate.log").read_text(errors="replace"), "workdir": work / "engines"}
+            "calibrate_log": (work / "calibrate.log").read_text(errors="replace"), "workdir": work / "engines",
+            "eval_log": (work / "eval.log").read_text(errors="replace")}
+
+
+@pytest.mark.skipif(ENGINES_AT_ONCE < 2, reason="needs two cores")
+def test_engines_at_once_bind_each_engine_to_its_own_core(evaluated):
+    """vLLM's own account of each engine's binding (its log line ``local_rank=0, core ids=[...]``): dense and the
+    target on two different cores, the cores the eval said it would use."""
+    cores = {}
+    for log in evaluated["workdir"].glob("engine-*.log"):
+        found = re.findall(r"local_rank=0, core ids=\[([\d, ]+)\]", log.read_text(errors="replace"))
+        assert found, f"{log.name}: no binding line"
+        cores[log.stem] = found[0]
+    assert set(cores) == {"engine-dense", "engine-as-calibrated"} and len(set(cores.values())) == 2, cores
+    assert "eval: 2 engines at once, on cores " in evaluated["eval_log"]
 
 
 def test_calibration_log_says_what_calibration_does(evaluated):

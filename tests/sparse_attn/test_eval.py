@@ -1039,3 +1039,144 @@ def test_root_cause_of_an_engine_log(log, cause):
     from sparse_attn.evaluation.run import root_cause
 
     assert root_cause(log) == cause
+
+
+# --------------------------------------------------------------------------- engines side by side
+
+@pytest.mark.parametrize(("engines", "cpus", "expected"), [
+    pytest.param(2, [0, 1], [[0], [1]], id="two-cores-two-engines"),
+    pytest.param(3, list(range(8)), [[0, 1, 2], [3, 4, 5], [6, 7]], id="uneven-split-first-larger"),
+    pytest.param(4, [0, 1], [[0], [1]], id="capped-at-the-cores"),
+    pytest.param(2, [2, 3, 6, 7], [[2, 3], [6, 7]], id="affinity-ids-kept"),
+    pytest.param(1, [0, 1, 2], [[0, 1, 2]], id="one-engine-every-core"),
+])
+def test_engine_core_sets(engines, cpus, expected):
+    from sparse_attn.evaluation.run import engine_core_sets
+
+    assert engine_core_sets(engines, cpus) == expected
+
+
+@pytest.mark.parametrize(("n", "cpu", "bind", "cores", "message"), [
+    pytest.param(0, True, None, [0, 1], "must be >= 1", id="zero"),
+    pytest.param(2, False, None, [0, 1], "serves on an accelerator", id="accelerator"),
+    pytest.param(2, True, "0-1", [0, 1], "unset VLLM_CPU_OMP_THREADS_BIND", id="user-bound"),
+    pytest.param(2, True, None, [0], "may use 1 core", id="one-core"),
+])
+def test_engines_at_once_is_refused_before_anything_runs(monkeypatch, n, cpu, bind, cores, message):
+    import os
+
+    from compat import launch
+    from sparse_attn.errors import CliError
+    from sparse_attn.evaluation.run import engine_cpus
+
+    monkeypatch.setattr(launch, "platform_is_cpu", lambda: cpu)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(cores))
+    if bind is None:
+        monkeypatch.delenv(launch.CPU_OMP_THREADS_BIND_ENV, raising=False)
+    else:
+        monkeypatch.setenv(launch.CPU_OMP_THREADS_BIND_ENV, bind)
+    with pytest.raises(CliError, match=re.escape(message)) as info:
+        engine_cpus(n)
+    assert "Fix:" in str(info.value) or n < 1
+
+
+def test_one_engine_at_a_time_keeps_vllms_binding(monkeypatch):
+    import os
+
+    from compat import launch
+    from sparse_attn.evaluation.run import engine_cpus
+
+    monkeypatch.setattr(launch, "platform_is_cpu", lambda: False)  # never asked: 1 is the default everywhere
+    monkeypatch.setenv(launch.CPU_OMP_THREADS_BIND_ENV, "0-1")
+    assert engine_cpus(1) is None
+    monkeypatch.delenv(launch.CPU_OMP_THREADS_BIND_ENV)
+    monkeypatch.setattr(launch, "platform_is_cpu", lambda: True)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 1})
+    assert engine_cpus(2) == [1, 3]
+
+
+#: A stand-in engine process (a real one, started by the real Popen): it says it started, waits until
+#: ``WANT`` engines have (so engines run one at a time never get there: it fails after its patience), then
+#: writes its output. ``FAIL`` makes the engine of that label fail at once; ``SLOW``: that one sleeps first.
+_SIDE_BY_SIDE_ENGINE = r'''
+import json, os, sys, time
+from pathlib import Path
+job_path, out_path = map(Path, sys.argv[1:3])
+job = json.loads(job_path.read_text())
+label = job_path.stem[len("job-"):]
+(job_path.parent / f"started-{label}").write_text(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "unset"))
+if label == os.environ.get("FAIL"):
+    print("ValueError: this engine was told to fail", flush=True)
+    sys.exit(1)
+deadline = time.monotonic() + float(os.environ["PATIENCE"])
+while len(list(job_path.parent.glob("started-*"))) < int(os.environ["WANT"]):
+    if time.monotonic() > deadline:
+        print("RuntimeError: no other engine ran beside this one", flush=True)
+        sys.exit(1)
+    time.sleep(0.05)
+if label == os.environ.get("SLOW"):
+    time.sleep(60)
+for k in range(len(job["cells"])):
+    print(f"EVAL-PROGRESS {k + 1} {len(job['cells'])}", flush=True)
+out_path.write_text(json.dumps({"cells": [{"label": label}] * len(job["cells"])}))
+'''
+
+
+def _side_by_side(monkeypatch, tmp_path, **env):
+    import subprocess
+    import sys
+
+    script = tmp_path / "engine.py"
+    script.write_text(_SIDE_BY_SIDE_ENGINE)
+    real = subprocess.Popen
+
+    def popen(cmd, **kwargs):
+        kwargs["env"] = {**kwargs["env"], **env}
+        return real([sys.executable, str(script), *cmd[-2:]], **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    (tmp_path / "work").mkdir()
+    return tmp_path / "work"
+
+
+def test_engines_at_once_run_side_by_side_each_on_its_own_cores(tmp_path, monkeypatch):
+    """Two slots, three engines: dense and the bf16 reference start together (each waits for the other), each
+    bound to its own core; the target starts when a slot frees; the results come back in the jobs' order."""
+    from sparse_attn.evaluation import run
+
+    work = _side_by_side(monkeypatch, tmp_path, WANT="2", PATIENCE="20")
+    bar = _bar()
+    results, notes = run.run_jobs(_jobs(["bfloat16"]), work, bar, keep_logs=True, core_sets=[[0], [1]])
+    assert notes == {} and list(results) == ["dense", "ref bf16", "target 0.5"] and bar.n == 6
+    assert results["target 0.5"]["cells"][0] == {"label": "target-0.5"}
+    binds = {p.name: p.read_text() for p in work.glob("started-*")}
+    assert {binds["started-dense"], binds["started-ref-bf16"]} == {"0", "1"}
+    assert binds["started-target-0.5"] in {"0", "1"}
+
+
+def test_engines_one_at_a_time_never_overlap(tmp_path, monkeypatch):
+    """The control of the test above: without core sets the same stand-in engines run one by one, so the first
+    one waits for a second that never comes and fails (the stand-in can tell the two apart)."""
+    from sparse_attn.evaluation import run
+
+    work = _side_by_side(monkeypatch, tmp_path, WANT="2", PATIENCE="1")
+    with pytest.raises(run.EngineFailed) as info:
+        run.run_jobs(_jobs([]), work, _bar(), keep_logs=True)
+    assert info.value.cause == "RuntimeError: no other engine ran beside this one"
+    assert (work / "started-dense").read_text() == "unset"  # vLLM's own binding, as before this option
+
+
+def test_a_failed_engine_stops_the_ones_beside_it(tmp_path, monkeypatch):
+    """Dense fails while the target engine (which would take a minute) runs beside it: the eval ends at once with
+    dense's root cause, the target engine is killed, not waited for, and no output of it is left half-written."""
+    import time
+
+    from sparse_attn.evaluation import run
+
+    work = _side_by_side(monkeypatch, tmp_path, WANT="1", PATIENCE="20", FAIL="dense", SLOW="target-0.5")
+    started = time.monotonic()
+    with pytest.raises(run.EngineFailed, match="the dense engine failed") as info:
+        run.run_jobs(_jobs([]), work, _bar(), keep_logs=True, core_sets=[[0], [1]])
+    assert time.monotonic() - started < 30
+    assert info.value.cause == "ValueError: this engine was told to fail"
+    assert (work / "started-target-0.5").exists() and not (work / "out-target-0.5.json").exists()
