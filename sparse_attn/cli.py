@@ -56,7 +56,7 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     add("--update_checkpoint_config", "--update-checkpoint-config", action="store_true", help="merge the result into CKPT/config.json atomically: only the skip-softmax group's curve and targets (and the producer) change, every other key and ModelOpt group is kept verbatim; refused before calibrating when sparse_attention_config is the model's own (e.g. MiniMax-M3's)")
     add("--output", default=DEFAULT_OUTPUT, help=f"file to write the calibration report to (default {DEFAULT_OUTPUT}): a regular file or a new name in a real directory, never a path inside the checkpoint (its config.json, Qwen dual-chunk's sparse_attention_config.json, weights, subdirectories, the files its links point to), a symlink, FIFO or device")
     add("--engine_kwargs", "--engine-kwargs", default="{}", help='JSON of extra vllm.LLM arguments, e.g. \'{"kv_cache_memory_bytes": 1073741824}\'; keys calibration sets itself (model, max_model_len, tensor_parallel_size, pipeline_parallel_size, enforce_eager, enable_prefix_caching, dtype, seed, attention_backend) are refused')
-    add("--plot", default=None, metavar="PATH", help="write one PNG per phase (PATH_prefill.png, PATH_decode.png)")
+    add("--plot", default=None, metavar="PATH", help="write one PNG per phase: PATH_prefill.png and PATH_decode.png (--plot fit.png: fit_prefill.png, fit_decode.png)")
     add("--seed", type=int, default=0, help="seed for synthetic data and vLLM (default 0)")
     add("--num_candidates", "--num-candidates", type=int, default=24, help="candidate thresholds per phase (default 24)")
     add("--calib_set", "--calib-set", choices=("tasks", "synthetic"), default="tasks",

@@ -104,7 +104,9 @@ def _check_plot(args) -> tuple[Path | None, list[Path]]:
                        f"--plot ./calibration, or leave --plot out to write no plots")
     if not directory.is_dir() or not os.access(directory, os.W_OK):
         raise CliError(f"--plot {args.plot}: directory {directory} does not exist or is not writable")
-    return prefix, [prefix.parent / f"{prefix.name}_{phase}.png" for phase in PHASES]
+    # `--plot fit.png` means fit_prefill.png, not fit.png_prefill.png: the PNG suffix is the writer's.
+    stem = prefix.name[:-4] if prefix.name.lower().endswith(".png") else prefix.name
+    return prefix, [prefix.parent / f"{stem}_{phase}.png" for phase in PHASES]
 
 
 _ENGINE_KWARGS_EXAMPLE = '{"kv_cache_memory_bytes": 1073741824}'

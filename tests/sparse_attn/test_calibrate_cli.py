@@ -180,6 +180,22 @@ def test_plot_naming_a_directory_is_refused(ckpt, tmp_path, capsys):
     assert code == 2 and f"--plot {tmp_path} is a directory" in msg
 
 
+@pytest.mark.parametrize("given, written", [
+    ("fit", ["fit_prefill.png", "fit_decode.png"]),
+    ("fit.png", ["fit_prefill.png", "fit_decode.png"]),
+    ("fit.PNG", ["fit_prefill.png", "fit_decode.png"]),
+    ("run.v2", ["run.v2_prefill.png", "run.v2_decode.png"]),
+], ids=["prefix", "png-suffix", "png-suffix-upper", "other-dot"])
+def test_plot_names_one_png_per_phase_from_the_path_given(tmp_path, given, written):
+    pytest.importorskip("matplotlib")
+    from argparse import Namespace
+
+    from sparse_attn.calibration.cli import _check_plot
+
+    _, paths = _check_plot(Namespace(plot=str(tmp_path / given)))
+    assert paths == [tmp_path / name for name in written]
+
+
 def test_plot_naming_a_device_is_refused_before_anything_is_written(ckpt, tmp_path, capsys):
     # --plot /dev/null read as "no plots" used to write /dev/null_prefill.png and /dev/null_decode.png.
     out = tmp_path / "out.json"
