@@ -86,7 +86,7 @@ class CpuKernelUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class Built:
-    """A loaded kernel library: the ctypes handle, its target ISA (``avx2`` / ``generic``),
+    """A loaded kernel library: the ctypes handle, its target ISA (one of :data:`ISAS`),
     where it lives, and whether this process compiled it (``build_s`` seconds) or found it in
     the cache (``build_s`` None)."""
 
@@ -96,22 +96,48 @@ class Built:
     build_s: float | None
 
 
+#: Build targets, widest first: ``avx512`` (AVX2 + FMA + F16C + AVX-512F: 512-bit matrix micro-kernels, outputs
+#: bit-identical to ``avx2``), ``avx2``, ``generic`` (the same code on GCC/Clang vector types the compiler lowers).
+ISAS: tuple[str, ...] = ("avx512", "avx2", "generic")
+_ISA_CPU_FLAGS = {"avx512": {"avx2", "fma", "f16c", "avx512f"}, "avx2": {"avx2", "fma", "f16c"}, "generic": set()}
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (``/proc/cpuinfo``; empty off Linux x86-64)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return set()
+    try:
+        return set(next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                         if line.startswith("flags")), []))
+    except OSError:
+        return set()
+
+
+def supported_isas() -> list[str]:
+    """The build targets this CPU runs, widest first (``generic`` always)."""
+    flags = cpu_flags()
+    return [isa for isa in ISAS if _ISA_CPU_FLAGS[isa] <= flags]
+
+
 def cpu_isa() -> str:
-    """``avx2`` when this CPU has AVX2 + FMA + F16C (x86-64), else ``generic`` (the same code
-    on an 8-float struct the compiler vectorises itself)."""
-    if platform.machine().lower() in ("x86_64", "amd64"):
-        try:
-            flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                          if line.startswith("flags")), [])
-        except OSError:
-            flags = []
-        if {"avx2", "fma", "f16c"} <= set(flags):
-            return "avx2"
-    return "generic"
+    """The target the compiled kernel is built for: ``SPARSE_ATTN_CPU_ISA`` where set (``auto`` or unset: the
+    widest this CPU runs, :func:`supported_isas`). A pinned ISA this CPU lacks is refused here, with the ones it
+    has, rather than at the first call."""
+    from sparse_attn import settings
+
+    pinned = settings.get("SPARSE_ATTN_CPU_ISA")
+    have = supported_isas()
+    if pinned in (None, "", "auto"):
+        return have[0]
+    if pinned not in have:
+        raise CpuKernelUnavailable(f"SPARSE_ATTN_CPU_ISA={pinned}: this CPU runs {', '.join(have)}, not {pinned}. Fix: "
+                                   f"set SPARSE_ATTN_CPU_ISA to one of those, or unset it (auto: {have[0]})")
+    return pinned
 
 
 def isa_flags(isa: str, profile: bool = False) -> tuple[str, ...]:
-    flags = ("-DSA_AVX2", "-mavx2", "-mfma", "-mf16c") if isa == "avx2" else ()
+    flags = {"avx512": ("-DSA_AVX2", "-DSA_AVX512", "-mavx2", "-mfma", "-mf16c", "-mavx512f"),
+             "avx2": ("-DSA_AVX2", "-mavx2", "-mfma", "-mf16c")}.get(isa, ())
     return flags + (("-DSA_PROFILE",) if profile else ())
 
 

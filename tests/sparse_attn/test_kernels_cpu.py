@@ -465,6 +465,68 @@ def test_exp_and_max_special_values_follow_the_nan_policy(build, generic_build):
     assert y[0].isnan() and y[1:3].tolist() == [pytest.approx(-1.0, abs=1e-7), pytest.approx(1.0, abs=1e-7)]
 
 
+# --------------------------------------------------------------------------- the AVX-512 build
+
+@pytest.mark.parametrize("case", ["mixed-ragged-gqa2-page16", "decode-ragged-mqa8-page16", "prefill-gqa3-page128-d64",
+                                  "mixed-gqa3-page64-d24"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_avx512_build_is_bit_identical_to_the_avx2_build(monkeypatch, case, dtype):
+    """Its 512-bit micro-kernels run each lane's FMA sequence of the AVX2 build, so outputs and counts are
+    equal bit for bit (and the float64 tests above hold for whichever of the two this CPU serves with)."""
+    have = cpu_build.supported_isas()
+    if "avx512" not in have:
+        pytest.skip(f"this CPU runs {', '.join(have)}: no AVX-512 build to compare")
+    kv_lens, q_lens, hq, hkv, d, page = CASES[case]
+    layout = "cpu_packed" if page % 16 == 0 else "packed_kv"
+    batch = add_sink_token(make_batch(kv_lens, q_lens, hq, hkv, d, page, layout=layout, dtype=DTYPES[dtype], seed=3))
+    scale = 2.0 * d ** -0.5
+    results = {}
+    for isa in ("avx512", "avx2"):
+        built = cpu_build.load(isa=isa)
+        assert built.target == isa and built.lib.sa_isa().decode() == isa
+        monkeypatch.setitem(cpu_impl._state, "lib", built.lib)
+        results[isa] = _run(batch, scale, threshold=0.9, return_counts=True)
+    (o512, sk512, vis512), (o2, sk2, vis2) = results["avx512"], results["avx2"]
+    assert torch.equal(o512, o2)
+    assert sk512.tolist() == sk2.tolist() and vis512.tolist() == vis2.tolist() and int(sk2.sum()) > 0
+
+
+@pytest.mark.parametrize("flags, pinned, expected", [
+    ({"avx2", "fma", "f16c", "avx512f"}, None, "avx512"),
+    ({"avx2", "fma", "f16c", "avx512f"}, "avx2", "avx2"),
+    ({"avx2", "fma", "f16c", "avx512f"}, "generic", "generic"),
+    ({"avx2", "fma", "f16c"}, "auto", "avx2"),
+    ({"avx2", "fma"}, None, "generic"),
+    (set(), None, "generic"),
+], ids=["avx512-auto", "avx512-pinned-avx2", "avx512-pinned-generic", "avx2-auto", "no-f16c", "not-x86"])
+def test_isa_is_the_widest_this_cpu_runs_unless_pinned(monkeypatch, flags, pinned, expected):
+    monkeypatch.setattr(cpu_build, "cpu_flags", lambda: set(flags))
+    if pinned is None:
+        monkeypatch.delenv("SPARSE_ATTN_CPU_ISA", raising=False)
+    else:
+        monkeypatch.setenv("SPARSE_ATTN_CPU_ISA", pinned)
+    envs.reset_for_tests()
+    try:
+        assert cpu_build.cpu_isa() == expected
+    finally:
+        envs.reset_for_tests()
+
+
+def test_an_isa_pinned_that_this_cpu_lacks_is_refused_with_the_ones_it_has(monkeypatch):
+    monkeypatch.setattr(cpu_build, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    monkeypatch.setenv("SPARSE_ATTN_CPU_ISA", "avx512")
+    envs.reset_for_tests()
+    try:
+        with pytest.raises(cpu_build.CpuKernelUnavailable, match=r"runs avx2, generic, not avx512\. Fix: "):
+            cpu_build.cpu_isa()
+        monkeypatch.setenv("SPARSE_ATTN_CPU_ISA", "sse2")
+        envs.reset_for_tests()
+        with pytest.raises(ValueError, match="auto, avx512, avx2, generic"):
+            cpu_build.cpu_isa()
+    finally:
+        envs.reset_for_tests()
+
+
 # --------------------------------------------------------------------------- build, cache, choice rule
 
 @pytest.fixture
@@ -542,8 +604,9 @@ def test_choice_rule(monkeypatch):
 
 
 def test_cache_key_follows_source_isa_and_profile(monkeypatch, tmp_path):
-    keys = {cpu_build.cache_key("avx2"), cpu_build.cache_key("generic"), cpu_build.cache_key("avx2", profile=True)}
-    assert len(keys) == 3
+    keys = {cpu_build.cache_key("avx512"), cpu_build.cache_key("avx2"), cpu_build.cache_key("generic"),
+            cpu_build.cache_key("avx2", profile=True)}
+    assert len(keys) == 4
     before = cpu_build.cache_key("avx2")
     for name in ("skip_attn_cpu.cpp", *cpu_build.HEADERS):  # an edit of the source or of a header
         for f in (cpu_build.SOURCE.parent / n for n in ("skip_attn_cpu.cpp", *cpu_build.HEADERS)):

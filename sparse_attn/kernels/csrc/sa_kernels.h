@@ -11,58 +11,66 @@ namespace sa {
 
 constexpr int TILE_K = 64;  // checked against _common.TILE_K at load (sa_layout)
 constexpr int PANEL = 16;   // KV positions per Q.K^T column panel
-constexpr int MR = 6;       // rows per micro-kernel: 6 x 16 fp32 = 12 ymm accumulators of 16
+constexpr int MR = 6;       // rows per micro-kernel: 6 x 16 fp32 = 12 ymm (or 6 zmm) accumulators of 16
 
 // C[r][0:16] = sum_d A[r][d] * B[d][0:16] for r < R: one 16-position column panel of Q.K^T.
 // A: fp32 rows (lda), B: D rows of 16 KV positions (ldb between dims; the dim-major K of the
 // cpu-packed page read in place, or the gather buffer).
 template <int R>
 inline void qk_panel(const float* A, int lda, const float* B, int64_t ldb, int D, float* C, int ldc) {
-  V8 c0[R], c1[R];
+  V16 c[R];
   #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) c0[r] = c1[r] = zero8();
+  for (int r = 0; r < R; ++r) c[r] = zero16();
   for (int d = 0; d < D; ++d) {
-    const float* b = B + d * ldb;
-    V8 b0 = load8(b), b1 = load8(b + 8);
+    const V16 b = load16(B + d * ldb);
     #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      V8 a = set1(A[r * lda + d]);
-      c0[r] = fmadd(a, b0, c0[r]);
-      c1[r] = fmadd(a, b1, c1[r]);
-    }
+    for (int r = 0; r < R; ++r) c[r] = fmadd(set16(A[r * lda + d]), b, c[r]);
   }
   #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    store8(C + r * ldc, c0[r]);
-    store8(C + r * ldc + 8, c1[r]);
-  }
+  for (int r = 0; r < R; ++r) store16(C + r * ldc, c[r]);
 }
 
 // O[r][col:col+8W] += sum_t P[r][t] * V[t][col:col+8W] for r < R, t < ntok; V rows by pointer
 // (token-major V read in place through the block table, or the gather buffer).
+// W even: W / 2 V16 per row (one zmm each in the AVX-512 build); W = 1: one V8.
 template <int R, int W>
 inline void pv_panel(const float* P, int ldp, const float* const* vrows, int ntok, int col, float* O, int ldo) {
-  V8 acc[R][W];
-  #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
+  if constexpr (W % 2 == 0) {
+    constexpr int W16 = W / 2;
+    V16 acc[R][W16];
     #pragma GCC unroll 8
-    for (int w = 0; w < W; ++w) acc[r][w] = load8(O + r * ldo + col + 8 * w);
-  for (int t = 0; t < ntok; ++t) {
-    const float* v = vrows[t] + col;
-    V8 b[W];
-    #pragma GCC unroll 8
-    for (int w = 0; w < W; ++w) b[w] = load8(v + 8 * w);
-    #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      V8 a = set1(P[r * ldp + t]);
+    for (int r = 0; r < R; ++r)
       #pragma GCC unroll 8
-      for (int w = 0; w < W; ++w) acc[r][w] = fmadd(a, b[w], acc[r][w]);
+      for (int w = 0; w < W16; ++w) acc[r][w] = load16(O + r * ldo + col + 16 * w);
+    for (int t = 0; t < ntok; ++t) {
+      const float* v = vrows[t] + col;
+      V16 b[W16];
+      #pragma GCC unroll 8
+      for (int w = 0; w < W16; ++w) b[w] = load16(v + 16 * w);
+      #pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const V16 a = set16(P[r * ldp + t]);
+        #pragma GCC unroll 8
+        for (int w = 0; w < W16; ++w) acc[r][w] = fmadd(a, b[w], acc[r][w]);
+      }
     }
-  }
-  #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
     #pragma GCC unroll 8
-    for (int w = 0; w < W; ++w) store8(O + r * ldo + col + 8 * w, acc[r][w]);
+    for (int r = 0; r < R; ++r)
+      #pragma GCC unroll 8
+      for (int w = 0; w < W16; ++w) store16(O + r * ldo + col + 16 * w, acc[r][w]);
+  } else {
+    static_assert(W == 1, "pv_panel: W is 1 or even");
+    V8 acc[R];
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] = load8(O + r * ldo + col);
+    for (int t = 0; t < ntok; ++t) {
+      const V8 b = load8(vrows[t] + col);
+      #pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r] = fmadd(set1(P[r * ldp + t]), b, acc[r]);
+    }
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) store8(O + r * ldo + col, acc[r]);
+  }
 }
 
 // Few rows per tile (decode): one row at a time over the whole 64-position tile, so each K
@@ -70,36 +78,40 @@ inline void pv_panel(const float* P, int ldp, const float* const* vrows, int nto
 // first row streaming it from memory and the others finding it in L1.
 // C[0:64] = sum_d A[d] * B_p[d][0:16] over the 4 panels p.
 __attribute__((noinline)) static void qk_wide(const float* A, const float* const* kp, int64_t ldb, int D, float* C) {
-  V8 acc[8];
-#pragma GCC unroll 8
-  for (int w = 0; w < 8; ++w) acc[w] = zero8();
-  for (int d = 0; d < D; ++d) {
-    const V8 a = set1(A[d]);
+  V16 acc[4];
 #pragma GCC unroll 4
-    for (int p = 0; p < 4; ++p) {
-      const float* b = kp[p] + d * ldb;
-      acc[2 * p] = fmadd(a, load8(b), acc[2 * p]);
-      acc[2 * p + 1] = fmadd(a, load8(b + 8), acc[2 * p + 1]);
-    }
+  for (int p = 0; p < 4; ++p) acc[p] = zero16();
+  for (int d = 0; d < D; ++d) {
+    const V16 a = set16(A[d]);
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) acc[p] = fmadd(a, load16(kp[p] + d * ldb), acc[p]);
   }
-#pragma GCC unroll 8
-  for (int w = 0; w < 8; ++w) store8(C + 8 * w, acc[w]);
+#pragma GCC unroll 4
+  for (int p = 0; p < 4; ++p) store16(C + PANEL * p, acc[p]);
 }
 
 // O[col:col+8W] += sum_t P[t] * V[t][col:col+8W] for one row.
 template <int W>
 inline void pv_wide_w(const float* P, const float* const* vrows, int ntok, int col, float* O) {
-  V8 acc[W];
+  if constexpr (W % 2 == 0) {
+    constexpr int W16 = W / 2;
+    V16 acc[W16];
 #pragma GCC unroll 8
-  for (int w = 0; w < W; ++w) acc[w] = load8(O + col + 8 * w);
-  for (int t = 0; t < ntok; ++t) {
-    const V8 a = set1(P[t]);
-    const float* v = vrows[t] + col;
+    for (int w = 0; w < W16; ++w) acc[w] = load16(O + col + 16 * w);
+    for (int t = 0; t < ntok; ++t) {
+      const V16 a = set16(P[t]);
+      const float* v = vrows[t] + col;
 #pragma GCC unroll 8
-    for (int w = 0; w < W; ++w) acc[w] = fmadd(a, load8(v + 8 * w), acc[w]);
+      for (int w = 0; w < W16; ++w) acc[w] = fmadd(a, load16(v + 16 * w), acc[w]);
+    }
+#pragma GCC unroll 8
+    for (int w = 0; w < W16; ++w) store16(O + col + 16 * w, acc[w]);
+  } else {
+    static_assert(W == 1, "pv_wide_w: W is 1 or even");
+    V8 acc = load8(O + col);
+    for (int t = 0; t < ntok; ++t) acc = fmadd(set1(P[t]), load8(vrows[t] + col), acc);
+    store8(O + col, acc);
   }
-#pragma GCC unroll 8
-  for (int w = 0; w < W; ++w) store8(O + col + 8 * w, acc[w]);
 }
 
 __attribute__((noinline)) static void pv_wide(const float* P, const float* const* vrows, int ntok, int D, float* O) {

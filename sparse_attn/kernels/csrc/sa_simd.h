@@ -1,6 +1,7 @@
 // Element types, conversions and 8-float vectors of the CPU kernel (skip_attn_cpu.cpp).
 //
-// -DSA_AVX2 (with -mavx2 -mfma -mf16c): AVX2 intrinsics.  Otherwise GCC/Clang vector
+// -DSA_AVX2 (with -mavx2 -mfma -mf16c): AVX2 intrinsics; -DSA_AVX512 (with SA_AVX2 and
+// -mavx512f) adds 512-bit V16 for the matrix micro-kernels.  Otherwise GCC/Clang vector
 // extensions, lowered to whatever SIMD the target has (two NEON or SSE registers per V8);
 // no auto-vectoriser needed, so the portable build also compiles quickly.  Both builds
 // compute exp and tanh with the same algorithms and constants.
@@ -11,6 +12,9 @@
 #include <cstring>
 #include <limits>
 
+#if defined(SA_AVX512) && !defined(SA_AVX2)
+#error "SA_AVX512 builds on SA_AVX2 (the element loads, exp and tanh stay 8 wide)"
+#endif
 #if defined(SA_AVX2)
 #include <immintrin.h>
 #endif
@@ -270,6 +274,29 @@ inline V8 tanh8(V8 y) {
   for (int i = 0; i < 8; ++i) y.v[i] = tanh_scalar(y.v[i]);
   return y;
 }
+#endif
+
+// ------------------------------------------------------------------ 16-float vectors
+// The matrix micro-kernels' unit (sa_kernels.h: 16 KV positions of a Q.K^T panel, 16 columns
+// of P.V): one zmm register with -DSA_AVX512, two V8 otherwise.  Every lane runs the same
+// FMA sequence in both, so the AVX-512 build's outputs are bit-identical to the AVX2 build's.
+#if defined(SA_AVX512)
+struct V16 { __m512 v; };
+inline V16 load16(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void store16(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
+inline V16 set16(float x) { return {_mm512_set1_ps(x)}; }
+inline V16 zero16() { return {_mm512_setzero_ps()}; }
+inline V16 fmadd(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+#else
+struct V16 { V8 lo, hi; };
+inline V16 load16(const float* p) { return {load8(p), load8(p + 8)}; }
+inline void store16(float* p, V16 a) {
+  store8(p, a.lo);
+  store8(p + 8, a.hi);
+}
+inline V16 set16(float x) { return {set1(x), set1(x)}; }
+inline V16 zero16() { return {zero8(), zero8()}; }
+inline V16 fmadd(V16 a, V16 b, V16 c) { return {fmadd(a.lo, b.lo, c.lo), fmadd(a.hi, b.hi, c.hi)}; }
 #endif
 
 // dst[0:n] = src[0:n] as fp32 (n a multiple of 8).

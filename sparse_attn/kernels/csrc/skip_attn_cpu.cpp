@@ -592,7 +592,9 @@ extern "C" {
 int sa_abi_version() { return kAbiVersion; }
 
 const char* sa_isa() {
-#if defined(SA_AVX2)
+#if defined(SA_AVX512)
+  return "avx512";
+#elif defined(SA_AVX2)
   return "avx2";
 #else
   return "generic";
@@ -610,6 +612,9 @@ int sa_forward(const SaCall* c) {
 #if defined(SA_AVX2)
   if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")))
     return kIsaMissing;
+#endif
+#if defined(SA_AVX512)
+  if (!__builtin_cpu_supports("avx512f")) return kIsaMissing;
 #endif
   // An unquantised cache has the query's dtype; an fp8 one goes with any query dtype.
   if (c->dtype < 0 || c->dtype > 2 || (c->kv_dtype < 3 && c->kv_dtype != c->dtype) || c->kv_dtype > 4)
