@@ -83,11 +83,20 @@ def _target(config: dict) -> str:
 
 
 def _phase_sp(config: dict, sparsity: dict | None, phase: str) -> str:
-    """A sparsity column: "dense" where the target's curve gives lambda >= 1 at every KV length
-    (that phase never skips, so its tiles are not counted)."""
+    """A sparsity column of a config or of one cell: "dense" where the target's curve gives lambda >= 1 at
+    every KV length it serves (that phase never skips, so its tiles are not counted); a config's pooled
+    value gets a "*" where some of its cells run that phase dense (the pool is then over the others)."""
     if phase in config.get("never_skips", ()):
         return "dense"
-    return _pct(sparsity.get(phase)) if sparsity else "-"
+    text = _pct(sparsity.get(phase)) if sparsity else "-"
+    return text + "*" if _dense_lengths(config, phase) else text
+
+
+def _dense_lengths(config: dict, phase: str) -> list[int]:
+    """The cell lengths at which ``phase`` runs dense although the config skips it at others."""
+    if phase in config.get("never_skips", ()):
+        return []
+    return sorted({c["length"] for c in config.get("cells", ()) if phase in c.get("never_skips", ())})
 
 
 def _kl(summary: dict, key: str = "kl_all") -> str:
@@ -164,11 +173,18 @@ def render(report: dict[str, Any]) -> str:
                            _pct(r["top1"], 0) if r.get("top1") is not None else "-", _pct(d["match"], 0), _pct(r["match"], 0),
                            _delta(r.get("d_match"), r.get("d_match_ci"), digits=0), f"{d['first_lp']:.2f}",
                            _delta(r.get("d_first_lp"), r.get("d_first_lp_ci"), 1.0, 3), _pct(r["agreement"], 0),
-                           _phase_sp(c, sp, "prefill"), _phase_sp(c, sp, "decode")])
+                           # a cell of an older report has no never_skips of its own: its config's hold
+                           *(_phase_sp({"never_skips": r.get("never_skips", c.get("never_skips", ()))}, sp, phase)
+                             for phase in ("prefill", "decode"))])
         title = c["label"] if c.get("reference") else f"target {_target(c)}"
         out += ["", f"{title} per task and length (dense beside it):",
                 _table(detail, ["task", "len", "N", "tokens", "KL", "top-1", "dense match", "match", "(delta)", "dense first LP", "first LP delta", "agree",
                                 "prefill sp", "decode sp"])]
+    partly = [f"target {_target(c)}: {phase} at {', '.join(map(str, lengths))} tokens"
+              for c in configs for phase in ("prefill", "decode") if (lengths := _dense_lengths(c, phase))]
+    if partly:
+        out += ["", f"*: pooled over the lengths where that phase skips; it runs dense at the others ({'; '.join(partly)}): "
+                    f"lambda = scale / kv_len >= 1 up to that length, which the kernels serve dense"]
     dense_phases = [f"target {_target(c)}: {', '.join(c['never_skips'])}" for c in configs if c.get("never_skips")]
     if dense_phases:
         out += ["", f"dense: runs that phase dense ({'; '.join(dense_phases)}): the curve at that target gives "

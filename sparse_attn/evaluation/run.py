@@ -136,6 +136,18 @@ def _config_at(config: Any, target: float | None) -> Any:
     return dataclasses.replace(config, group=group)
 
 
+def mark_dense_phases(report: dict, at_target: dict[str, Any], max_kv_len: int, decode_tokens: int) -> None:
+    """Record, per config and per cell, the phases its curve serves dense (``never_skips``: lambda = scale /
+    kv_len >= 1 at every KV length up to ``max_kv_len``, or up to the cell's length plus ``decode_tokens``
+    tokens): a phase can skip at the longest length and still run dense at a shorter one."""
+    for c in report["configs"]:
+        cfg = at_target.get(c["label"])
+        c["never_skips"] = list(cfg.never_skipping_phases(max_kv_len)) if cfg is not None else []
+        for cell in c.get("cells", ()):
+            cell["never_skips"] = (list(cfg.never_skipping_phases(int(cell["length"]) + decode_tokens))
+                                   if cfg is not None else [])
+
+
 def _head_dim(model_cfg: dict) -> int:
     text = model_cfg.get("text_config") or model_cfg
     return text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
@@ -446,7 +458,6 @@ def evaluate(args) -> int:
     configs = [("dense", None)] + [(label, cfg.to_dict()) for label, cfg in at_target.items()]
     # A target past the sparsity calibration observed extrapolates its curve to lambda >= 1, which serves that
     # phase dense: say so before the engines start (the engine's own warning goes to its log only).
-    never_skips = {label: cfg.never_skipping_phases(max_model_len) for label, cfg in at_target.items()}
     for label, cfg in at_target.items():
         for note in cfg.never_skip_warnings(max_model_len):
             print(f"warning: {label}: {note}", file=sys.stderr)
@@ -470,8 +481,7 @@ def evaluate(args) -> int:
         results, refused = run_jobs(jobs, workdir, bar, keep_logs=bool(args.workdir), core_sets=core_sets)
     notes.update(refused)
     report = _assemble(cells, configs, results, targets, config, args, samples, references=refs, notes=notes)
-    for c in report["configs"]:
-        c["never_skips"] = list(never_skips.get(c["label"], ()))
+    mark_dense_phases(report, at_target, max_model_len, args.decode_tokens)
     report["seconds"] = round(time.monotonic() - started, 1)
     write_report(output, report)
     text = render(report)

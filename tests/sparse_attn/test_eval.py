@@ -214,6 +214,44 @@ def test_a_phase_whose_curve_never_skips_reads_dense_not_n_a():
     assert "target 0.7: prefill" in text and "lambda = scale / kv_len >= 1" in text
 
 
+def test_a_phase_dense_at_the_shorter_length_only_reads_dense_in_its_cells_and_starred_pooled():
+    """Measured on SmolLM2 calibrated on 4-8k needles: at 0.7 the prefill curve's scale (~5200) is past 4096
+    tokens but not 8000, so the 4k cells prefill dense and the pooled prefill sparsity is the 8k cells' alone.
+    The curve decides it (mark_dense_phases on the parsed config), the report says it."""
+    from sparse_attn.config import parse_sparse_attention_config
+    from sparse_attn.evaluation.report import render
+    from sparse_attn.evaluation.run import _config_at, mark_dense_phases
+
+    section = {"config_groups": {"group_0": {
+        "algorithm": "skip_softmax", "target_sparsity": {"prefill": 0.5, "decode": 0.5},
+        "threshold_scale_factor": {"formula": "a * exp(b * target_sparsity)",
+                                   "prefill": {"a": 0.399258, "b": 13.5309}, "decode": {"a": 7.74e-05, "b": 18.55}}}}}
+    cfg = _config_at(parse_sparse_attention_config(section), 0.7)
+
+    def cell(length, prefill):
+        return {"task": "niah_single", "length": length, "n": 1, "match": 1.0, "first_lp": -0.1, "agreement": 1.0,
+                "sparsity": {"prefill": prefill, "decode": 0.7}}
+
+    def config(label, target, cells, pooled):
+        return {"label": label, "target": target, "native": target is None, "layers": [[30, 30]] if target else None,
+                "cells": cells, "all": {"n": len(cells), "match": 1.0, "first_lp": -0.1, "agreement": 1.0,
+                                        "sparsity": pooled, "generate_s": 1.0, "teacher_forced_s": 0.0}}
+
+    report = {"checkpoint": "ckpt", "tasks": ["niah_single"], "lengths": [4096, 8000], "samples_per_cell": 1,
+              "decode_tokens": 10, "seed": 0,
+              "configs": [config("dense", None, [cell(4096, None), cell(8000, None)], None),
+                          config("target 0.7", 0.7, [cell(4096, None), cell(8000, 0.682)],
+                                 {"prefill": 0.682, "decode": 0.7})]}
+    mark_dense_phases(report, {"target 0.7": cfg}, 8010, 10)
+    sparse = report["configs"][1]
+    assert sparse["never_skips"] == [] and [c["never_skips"] for c in sparse["cells"]] == [["prefill"], []]
+    text = render(report)
+    assert next(line for line in text.splitlines() if line.startswith("0.7 ")).split().count("68.2*") == 1
+    per_cell = {line.split()[1]: line.split() for line in text.splitlines() if line.startswith("niah_single ")}
+    assert per_cell["4096"][-2:] == ["dense", "70.0"] and per_cell["8000"][-2:] == ["68.2", "70.0"]
+    assert "n/a" not in text and "target 0.7: prefill at 4096 tokens" in text
+
+
 def test_teacher_forced_prefill_is_the_cells_prefill():
     """With --teacher_forced the generate batch reads the prompts' KV from the prefix cache: the cell's prefill
     counts are the teacher-forced pass's, its decode counts the generate batch's, its time both passes'."""
