@@ -18,7 +18,7 @@ Three configurations, each in its own engine (the plugin reads the checkpoint's
 ``--decode-timing steps`` (the default) runs every ``--workloads`` item (prompt length x concurrent
 sequences) in one engine per configuration through vLLM's own step loop and times each step: prefill
 is the steps until every sequence has its first token, decode every later step (pure decode, no tail
-prefill mixed in). vLLM's ``Attention`` layers are timed inside each step (the engine runs in the
+prefill mixed in; decode timed by its median step over every repeat, prefill by the least disturbed repeat). vLLM's ``Attention`` layers are timed inside each step (the engine runs in the
 benchmark's process), which gives attention's share f of a step per phase. The report leads with the
 bound table: per workload and phase, f, the tile sparsity s, attention's bound 2 / (2 - s), attention's
 achieved speedup (own dense / at target, attention time), the step's bound 1 / (1 - f (1 - 1 / bound))
@@ -212,21 +212,26 @@ def child_steps(args) -> int:
             for rid, prompt in zip(ids, w["prompts"]):
                 engine.add_request(rid, {"prompt_token_ids": prompt}, params)
             tokens, window = {}, {"prefill": [0.0, 0.0, 0], "decode": [0.0, 0.0, 0]}  # wall s, attention s, steps
+            decode_steps = []  # (wall s, attention s) of every pure-decode step: their median resists preemption
             decoded = 0
             while engine.has_unfinished_requests():
                 phase = "decode" if len(tokens) == len(ids) else "prefill"
                 a0, t = clock.seconds, time.perf_counter()
                 outs = engine.step()
-                window[phase][0] += time.perf_counter() - t
-                window[phase][1] += clock.seconds - a0
+                dt, da = time.perf_counter() - t, clock.seconds - a0
+                window[phase][0] += dt
+                window[phase][1] += da
                 window[phase][2] += 1
+                if phase == "decode":
+                    decode_steps.append((dt, da))
                 for o in outs:
                     new = list(o.outputs[0].token_ids)
                     if phase == "decode":
                         decoded += len(new) - len(tokens[o.request_id])
                     tokens[o.request_id] = new
             counts = stats()
-            runs.append({"window": window, "decoded": decoded, "tokens": [tokens[r] for r in ids], "counts": counts})
+            runs.append({"window": window, "decode_steps": decode_steps, "decoded": decoded,
+                         "tokens": [tokens[r] for r in ids], "counts": counts})
         report["workloads"].append({"name": w["name"], "num_seqs": len(w["prompts"]),
                                     "prompt_tokens": sum(len(p) for p in w["prompts"]), "runs": runs})
     report["layers"] = [s.get("layers_installed") for s in _snapshots(llm)]
@@ -604,9 +609,19 @@ def pool_rounds(first: dict, later: dict) -> dict:
 
 
 def phase_timings(runs: list[dict], phase: str) -> dict:
-    """The least disturbed repeat of one phase (least wall time) and the counts of all repeats."""
+    """One phase's timing and the counts of all repeats.
+
+    Prefill: the least disturbed repeat (least wall time; its few steps differ in work). Decode, where the runs
+    recorded their steps: the median step of all repeats pooled, times the steps of one repeat (wall and attention
+    seconds alike). A pure-decode step of a fixed batch is the same work every time (the KV grows by
+    ``decode_tokens`` of thousands), so the median drops the steps another job or the OS preempted, which a sum of
+    32 steps of 60 ms does not: two repeats' sums differed by up to 19 % on a quiet machine."""
     best = min(runs, key=lambda r: r["window"][phase][0])
     wall, attn, steps = best["window"][phase]
+    pooled = [st for r in runs for st in r.get("decode_steps") or ()] if phase == "decode" else []
+    if pooled and all(r.get("decode_steps") for r in runs):
+        wall = statistics.median(w for w, _ in pooled) * steps
+        attn = statistics.median(a for _, a in pooled) * steps
     counts = [list(r["counts"].get(phase, ())) + [0] * 4 for r in runs]  # [skipped, visited, v_tested, v_skipped]
     skipped, visited, v_tested, v_skipped = (sum(c[i] for c in counts) for i in range(4))
     return {"wall": wall, "attn": attn, "steps": steps, "decoded": best["decoded"],
@@ -707,11 +722,12 @@ def steps_report(args, results: dict, workloads, base: Path, started: float, loa
         "per engine at its end: " + ", ".join(f"{n} {'/'.join(f'{v:.1f}' for v in r['load_during'])}" for n, r in results.items()) + ".",
         f"Model: {_describe_model(args, base)}, dtype {args.dtype}. M={args.decode_tokens} decode tokens per sequence, "
         f"{args.repeats} repeats" + (f" x {args.rounds} rounds (engines started round-robin)" if args.rounds > 1 else "")
-        + f" (best shown), {args.prompts} prompts; at target: prefill {args.prefill_target} "
+        + f" (prefill: the best; decode: the median step), {args.prompts} prompts; at target: prefill {args.prefill_target} "
         f"(a/b {prefill_ab[0]:.4g}/{prefill_ab[1]:.4g}), decode {args.decode_target} (a/b {decode_ab[0]:.4g}/{decode_ab[1]:.4g})"
         + (", fitted by --calibrate in this run" if cal else "") + f". Total wall time {time.time() - started:.0f} s.",
         "", "Timing: vLLM's step loop; prefill = the steps until every sequence has its first token, decode = every later "
-        "step (pure decode). f = time inside vLLM's Attention layers (cache write + attention) / step time. Tiles "
+        "step (pure decode), from the median step of every repeat pooled (times the steps; prefill: the least disturbed "
+        "repeat). f = time inside vLLM's Attention layers (cache write + attention) / step time. Tiles "
         "skipped per head = skipped / visited, per query head; s = the V tiles actually not read, the union over a KV "
         "group (a V tile is read unless every query head of the group skips it), counted by the compiled CPU kernel; "
         "the bounds use s (where a kernel does not count it, the per-head fraction: an upper bound). "

@@ -85,3 +85,23 @@ def test_the_v_tile_fraction_is_the_kernels_union_count_and_absent_where_not_cou
     assert t["sparsity"] == pytest.approx(0.5) and t["v_sparsity"] == pytest.approx(0.3)
     old = [{"window": {"decode": [1.0, 0.5, 8]}, "decoded": 8, "counts": {"decode": [40, 80]}}]
     assert bench.phase_timings(old, "decode")["v_sparsity"] is None
+
+
+def test_decode_is_timed_by_the_median_step_of_all_repeats_so_one_preempted_step_does_not_move_it():
+    # 8 steps of 0.10 s (attention 0.03 s) per repeat; one step of each repeat was preempted (1 s, 0.5 s), so the
+    # least disturbed repeat's sum (1.2 s) is still 50 % over the steady 0.8 s
+    steady = [(0.10, 0.03)] * 7
+    runs = [{"window": {"decode": [1.7, 0.24, 8]}, "decode_steps": [(1.0, 0.03)] + steady, "decoded": 8,
+             "counts": {"decode": [10, 40]}},
+            {"window": {"decode": [1.2, 0.24, 8]}, "decode_steps": steady + [(0.5, 0.03)], "decoded": 8,
+             "counts": {"decode": [10, 40]}}]
+    t = bench.phase_timings(runs, "decode")
+    assert t["wall"] == pytest.approx(0.8) and t["attn"] == pytest.approx(0.24)
+    assert t["walls"] == [1.7, 1.2]  # every repeat's sum is still reported
+
+
+def test_prefill_stays_the_least_disturbed_repeat_even_where_decode_steps_are_recorded():
+    runs = [{"window": {"prefill": [3.0, 1.0, 2]}, "decode_steps": [(0.1, 0.03)], "decoded": 1, "counts": {}},
+            {"window": {"prefill": [2.5, 0.9, 2]}, "decode_steps": [(0.1, 0.03)], "decoded": 1, "counts": {}}]
+    t = bench.phase_timings(runs, "prefill")
+    assert (t["wall"], t["attn"]) == (2.5, 0.9)
