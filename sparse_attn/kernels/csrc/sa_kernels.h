@@ -5,145 +5,189 @@
 // gather buffers every other cache type and layout is converted into.
 #pragma once
 
+#include <algorithm>
+#include <cstddef>
+
 #include "sa_simd.h"
 
 namespace sa {
 
 constexpr int TILE_K = 64;  // checked against _common.TILE_K at load (sa_layout)
 constexpr int PANEL = 16;   // KV positions per Q.K^T column panel
-constexpr int MR = 6;       // rows per micro-kernel: 6 x 16 fp32 = 12 ymm (or 6 zmm) accumulators of 16
+constexpr int MR = 6;       // rows per micro-kernel block
 
-// C[r][0:16] = sum_d A[r][d] * B[d][0:16] for r < R: one 16-position column panel of Q.K^T.
-// A: fp32 rows (lda), B: D rows of 16 KV positions (ldb between dims; the dim-major K of the
-// cpu-packed page read in place, or the gather buffer).
+// Register blocking: a block is R rows x NP panels of Q.K^T (R x NP V16 accumulators) or R rows x
+// W16 V16 columns of P.V.  Every output element is still one FMA chain over d (Q.K^T) or over the
+// tile's positions (P.V), in order, whatever the block shape, so the outputs do not depend on it
+// (the AVX-512 build stays bit-identical to the AVX2 one).
+//   AVX-512 (32 zmm): 6 x 4 = 24 accumulators, 4 B operands, 1 broadcast.  Per d (or position)
+//   4 loads + 6 broadcasts feed 24 FMAs, so the FMA ports, not the loads, set the pace; with one
+//   16-wide column per block (the AVX2 shape) the loads did, and 6 chains of a 4-cycle FMA
+//   left half the FMA slots empty.  Decode (fewer than MR rows, the query heads of one KV head)
+//   takes all its rows in one block over the whole 64-position tile: one pass over each K and V
+//   row instead of one per query head.
+//   AVX2 and the portable build (16 ymm): 6 rows x 1 V16 = 12 ymm; decode one row at a time over
+//   the whole tile (4 V16 = 8 ymm), the first row streaming K / V from memory, the others from L1.
+#if defined(SA_AVX512)
+constexpr int QK_NP = 4, PV_W16 = 4;
+constexpr bool DECODE_ROWS_TOGETHER = true;
+#else
+constexpr int QK_NP = 1, PV_W16 = 1;
+constexpr bool DECODE_ROWS_TOGETHER = false;
+#endif
+
+// C[r][16p : 16p+16] = sum_d A[r][d] * B_p[d][0:16] for r < R, p < NP: NP column panels of 16 KV
+// positions.  A: fp32 rows (lda).  kp[p]: panel p's first dim row; D rows of 16 positions, ldb
+// apart (the dim-major K of the cpu-packed page read in place, or the gather buffer).
+template <int R, int NP>
+inline void qk_block(const float* A, int lda, const float* const* kp, int64_t ldb, int D, float* C, int ldc,
+                     const float* pf = nullptr) {
+  V16 c[R][NP];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p) c[r][p] = zero16();
+  for (int d = 0; d < D; ++d) {
+    V16 b[NP];
+#pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p) b[p] = load16(kp[p] + d * ldb);
+    if (pf)
+#pragma GCC unroll 4
+      for (int p = 0; p < NP; ++p) __builtin_prefetch(pf + d * ldb + PANEL * p);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const V16 a = set16(A[r * lda + d]);
+#pragma GCC unroll 4
+      for (int p = 0; p < NP; ++p) c[r][p] = fmadd(a, b[p], c[r][p]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p) store16(C + r * ldc + PANEL * p, c[r][p]);
+}
+
 template <int R>
-inline void qk_panel(const float* A, int lda, const float* B, int64_t ldb, int D, float* C, int ldc) {
-  V16 c[R];
-  #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) c[r] = zero16();
-  for (int d = 0; d < D; ++d) {
-    const V16 b = load16(B + d * ldb);
-    #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) c[r] = fmadd(set16(A[r * lda + d]), b, c[r]);
+__attribute__((noinline)) static void qk_block_np(int NP, const float* A, int lda, const float* const* kp, int64_t ldb,
+                                                  int D, float* C, int ldc, const float* pf) {
+  switch (NP) {
+    case 1: qk_block<R, 1>(A, lda, kp, ldb, D, C, ldc); break;
+    case 2: qk_block<R, 2>(A, lda, kp, ldb, D, C, ldc); break;
+    case 3: qk_block<R, 3>(A, lda, kp, ldb, D, C, ldc); break;
+    default: qk_block<R, 4>(A, lda, kp, ldb, D, C, ldc, pf); break;
   }
-  #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) store16(C + r * ldc, c[r]);
-}
-
-// O[r][col:col+8W] += sum_t P[r][t] * V[t][col:col+8W] for r < R, t < ntok; V rows by pointer
-// (token-major V read in place through the block table, or the gather buffer).
-// W even: W / 2 V16 per row (one zmm each in the AVX-512 build); W = 1: one V8.
-template <int R, int W>
-inline void pv_panel(const float* P, int ldp, const float* const* vrows, int ntok, int col, float* O, int ldo) {
-  if constexpr (W % 2 == 0) {
-    constexpr int W16 = W / 2;
-    V16 acc[R][W16];
-    #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-      #pragma GCC unroll 8
-      for (int w = 0; w < W16; ++w) acc[r][w] = load16(O + r * ldo + col + 16 * w);
-    for (int t = 0; t < ntok; ++t) {
-      const float* v = vrows[t] + col;
-      V16 b[W16];
-      #pragma GCC unroll 8
-      for (int w = 0; w < W16; ++w) b[w] = load16(v + 16 * w);
-      #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const V16 a = set16(P[r * ldp + t]);
-        #pragma GCC unroll 8
-        for (int w = 0; w < W16; ++w) acc[r][w] = fmadd(a, b[w], acc[r][w]);
-      }
-    }
-    #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-      #pragma GCC unroll 8
-      for (int w = 0; w < W16; ++w) store16(O + r * ldo + col + 16 * w, acc[r][w]);
-  } else {
-    static_assert(W == 1, "pv_panel: W is 1 or even");
-    V8 acc[R];
-    #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[r] = load8(O + r * ldo + col);
-    for (int t = 0; t < ntok; ++t) {
-      const V8 b = load8(vrows[t] + col);
-      #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[r] = fmadd(set1(P[r * ldp + t]), b, acc[r]);
-    }
-    #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) store8(O + r * ldo + col, acc[r]);
-  }
-}
-
-// Few rows per tile (decode): one row at a time over the whole 64-position tile, so each K
-// row (dim-major: 64 positions) and each V row (D dims) is read as one contiguous run, the
-// first row streaming it from memory and the others finding it in L1.
-// C[0:64] = sum_d A[d] * B_p[d][0:16] over the 4 panels p.
-__attribute__((noinline)) static void qk_wide(const float* A, const float* const* kp, int64_t ldb, int D, float* C) {
-  V16 acc[4];
-#pragma GCC unroll 4
-  for (int p = 0; p < 4; ++p) acc[p] = zero16();
-  for (int d = 0; d < D; ++d) {
-    const V16 a = set16(A[d]);
-#pragma GCC unroll 4
-    for (int p = 0; p < 4; ++p) acc[p] = fmadd(a, load16(kp[p] + d * ldb), acc[p]);
-  }
-#pragma GCC unroll 4
-  for (int p = 0; p < 4; ++p) store16(C + PANEL * p, acc[p]);
-}
-
-// O[col:col+8W] += sum_t P[t] * V[t][col:col+8W] for one row.
-template <int W>
-inline void pv_wide_w(const float* P, const float* const* vrows, int ntok, int col, float* O) {
-  if constexpr (W % 2 == 0) {
-    constexpr int W16 = W / 2;
-    V16 acc[W16];
-#pragma GCC unroll 8
-    for (int w = 0; w < W16; ++w) acc[w] = load16(O + col + 16 * w);
-    for (int t = 0; t < ntok; ++t) {
-      const V16 a = set16(P[t]);
-      const float* v = vrows[t] + col;
-#pragma GCC unroll 8
-      for (int w = 0; w < W16; ++w) acc[w] = fmadd(a, load16(v + 16 * w), acc[w]);
-    }
-#pragma GCC unroll 8
-    for (int w = 0; w < W16; ++w) store16(O + col + 16 * w, acc[w]);
-  } else {
-    static_assert(W == 1, "pv_wide_w: W is 1 or even");
-    V8 acc = load8(O + col);
-    for (int t = 0; t < ntok; ++t) acc = fmadd(set1(P[t]), load8(vrows[t] + col), acc);
-    store8(O + col, acc);
-  }
-}
-
-__attribute__((noinline)) static void pv_wide(const float* P, const float* const* vrows, int ntok, int D, float* O) {
-  int col = 0;
-  for (; col + 64 <= D; col += 64) pv_wide_w<8>(P, vrows, ntok, col, O);
-  for (; col + 16 <= D; col += 16) pv_wide_w<2>(P, vrows, ntok, col, O);
-  if (col < D) pv_wide_w<1>(P, vrows, ntok, col, O);
 }
 
 // Not inlined: one copy serves every run_item variant (a quarter of the code, and of the
-// compile time, of inlining them), and a call per 6 x 16 block costs nothing.
-__attribute__((noinline)) static void qk_rows(int R, const float* A, int lda, const float* B, int64_t ldb, int D, float* C, int ldc) {
+// compile time, of inlining them), and a call per block costs nothing.
+static void qk_rows(int R, int NP, const float* A, int lda, const float* const* kp, int64_t ldb, int D, float* C, int ldc,
+                    const float* pf = nullptr) {
   switch (R) {
-    case 1: qk_panel<1>(A, lda, B, ldb, D, C, ldc); break;
-    case 2: qk_panel<2>(A, lda, B, ldb, D, C, ldc); break;
-    case 3: qk_panel<3>(A, lda, B, ldb, D, C, ldc); break;
-    case 4: qk_panel<4>(A, lda, B, ldb, D, C, ldc); break;
-    case 5: qk_panel<5>(A, lda, B, ldb, D, C, ldc); break;
-    default: qk_panel<6>(A, lda, B, ldb, D, C, ldc); break;
+    case 1: qk_block_np<1>(NP, A, lda, kp, ldb, D, C, ldc, pf); break;
+    case 2: qk_block_np<2>(NP, A, lda, kp, ldb, D, C, ldc, pf); break;
+    case 3: qk_block_np<3>(NP, A, lda, kp, ldb, D, C, ldc, pf); break;
+    case 4: qk_block_np<4>(NP, A, lda, kp, ldb, D, C, ldc, pf); break;
+    case 5: qk_block_np<5>(NP, A, lda, kp, ldb, D, C, ldc, pf); break;
+    default: qk_block_np<6>(NP, A, lda, kp, ldb, D, C, ldc, pf); break;
   }
 }
 
-template <int W>
-__attribute__((noinline)) static void pv_rows_w(int R, const float* P, int ldp, const float* const* vrows, int ntok, int col, float* O, int ldo) {
-  switch (R) {
-    case 1: pv_panel<1, W>(P, ldp, vrows, ntok, col, O, ldo); break;
-    case 2: pv_panel<2, W>(P, ldp, vrows, ntok, col, O, ldo); break;
-    case 3: pv_panel<3, W>(P, ldp, vrows, ntok, col, O, ldo); break;
-    case 4: pv_panel<4, W>(P, ldp, vrows, ntok, col, O, ldo); break;
-    case 5: pv_panel<5, W>(P, ldp, vrows, ntok, col, O, ldo); break;
-    default: pv_panel<6, W>(P, ldp, vrows, ntok, col, O, ldo); break;
+// S[r][0 : 16 npanel] = (Q K^T)[r] for the M rows of Q (D apart) and the tile's npanel panels; S rows
+// TILE_K apart.  Blocks of the ISA's shape (above).  pf (or null): where the next tile's K starts
+// (same ldb); the block that covers the whole tile prefetches it, one 64-byte panel row per panel
+// and d, while this tile's rows stream.  Decode reads each K row once, and the hardware prefetcher
+// follows neither the dim-major K of a page (a tile is 256 bytes of each 512-byte dim row of a
+// 128-token page) nor the jump to the next block: raw decode calls, 1 thread, 9/3/64 heads,
+// 4 x 8k 3.05 -> 2.61 ms, 16 x 2k 2.92 -> 2.42 ms (fp32, AVX-512).
+inline void qk_tile(int M, const float* Q, int D, const float* const* kp, int npanel, int64_t ldb, float* S,
+                    const float* pf = nullptr) {
+  if (M < MR && !DECODE_ROWS_TOGETHER && npanel == TILE_K / PANEL) {  // decode, one row at a time
+    for (int r = 0; r < M; ++r)
+      qk_rows(1, npanel, Q + size_t(r) * D, D, kp, ldb, D, S + size_t(r) * TILE_K, TILE_K, r ? nullptr : pf);
+    return;
   }
+  for (int rb = 0; rb < M; rb += MR) {
+    const int R = std::min(MR, M - rb);
+    for (int p = 0; p < npanel; p += QK_NP) {
+      const int np = std::min(QK_NP, npanel - p);
+      qk_rows(R, np, Q + size_t(rb) * D, D, kp + p, ldb, D, S + size_t(rb) * TILE_K + p * PANEL, TILE_K,
+              rb == 0 && np == TILE_K / PANEL ? pf : nullptr);
+    }
+  }
+}
+
+// O_r[col : col+16 W16] += sum_t P_r[t] * V[t][col : col+16 W16] for the R rows P_r / O_r (pointers:
+// any subset of an item's rows), t < ntok; V rows by pointer (token-major V read in place through
+// the block table, or the gather buffer).
+template <int R, int W16>
+inline void pv_block(const float* const* P, const float* const* vrows, int ntok, int col, float* const* O) {
+  V16 acc[R][W16];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int w = 0; w < W16; ++w) acc[r][w] = load16(O[r] + col + 16 * w);
+  for (int t = 0; t < ntok; ++t) {
+    const float* v = vrows[t] + col;
+    V16 b[W16];
+#pragma GCC unroll 4
+    for (int w = 0; w < W16; ++w) b[w] = load16(v + 16 * w);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const V16 a = set16(P[r][t]);
+#pragma GCC unroll 4
+      for (int w = 0; w < W16; ++w) acc[r][w] = fmadd(a, b[w], acc[r][w]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int w = 0; w < W16; ++w) store16(O[r] + col + 16 * w, acc[r][w]);
+}
+
+// The last 8 columns of a head size that is a multiple of 8 but not of 16.
+template <int R>
+inline void pv_block8(const float* const* P, const float* const* vrows, int ntok, int col, float* const* O) {
+  V8 acc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = load8(O[r] + col);
+  for (int t = 0; t < ntok; ++t) {
+    const V8 b = load8(vrows[t] + col);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] = fmadd(set1(P[r][t]), b, acc[r]);
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) store8(O[r] + col, acc[r]);
+}
+
+// Every column of the R rows: blocks of the widest W16 that fits (the ISA's PV_W16, else 1), then 8.
+template <int R>
+__attribute__((noinline)) static void pv_block_cols(int W16, const float* const* P, const float* const* vrows, int ntok,
+                                                    int D, float* const* O) {
+  int col = 0;
+  if (W16 >= 4)
+    for (; col + 64 <= D; col += 64) pv_block<R, 4>(P, vrows, ntok, col, O);
+  for (; col + 16 <= D; col += 16) pv_block<R, 1>(P, vrows, ntok, col, O);
+  if (col < D) pv_block8<R>(P, vrows, ntok, col, O);
+}
+
+static void pv_rows(int R, int W16, const float* const* P, const float* const* vrows, int ntok, int D, float* const* O) {
+  switch (R) {
+    case 1: pv_block_cols<1>(W16, P, vrows, ntok, D, O); break;
+    case 2: pv_block_cols<2>(W16, P, vrows, ntok, D, O); break;
+    case 3: pv_block_cols<3>(W16, P, vrows, ntok, D, O); break;
+    case 4: pv_block_cols<4>(W16, P, vrows, ntok, D, O); break;
+    case 5: pv_block_cols<5>(W16, P, vrows, ntok, D, O); break;
+    default: pv_block_cols<6>(W16, P, vrows, ntok, D, O); break;
+  }
+}
+
+// O_r += P_r V for the n rows listed (P rows and O rows by pointer), in blocks of the ISA's shape.
+inline void pv_tile(int n, const float* const* P, const float* const* vrows, int ntok, int D, float* const* O) {
+  if (n < MR && !DECODE_ROWS_TOGETHER) {  // decode, one row at a time over all D columns
+    for (int r = 0; r < n; ++r) pv_rows(1, 4, P + r, vrows, ntok, D, O + r);
+    return;
+  }
+  for (int rb = 0; rb < n; rb += MR) pv_rows(std::min(MR, n - rb), PV_W16, P + rb, vrows, ntok, D, O + rb);
 }
 
 }  // namespace sa

@@ -287,6 +287,25 @@ inline void store16(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
 inline V16 set16(float x) { return {_mm512_set1_ps(x)}; }
 inline V16 zero16() { return {_mm512_setzero_ps()}; }
 inline V16 fmadd(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+// exp8's arithmetic on 16 lanes, operation for operation (max / min return their second operand
+// for NaN in both widths), so each lane is bit-identical to exp8's.
+inline __m512 exp16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(kExpLo);
+  const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);  // also -inf
+  const __m512 xc = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(kExpHi));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(kP6), r, _mm512_set1_ps(kP5));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP4));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP3));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  const __m512 y = _mm512_maskz_mov_ps(_mm512_knot(under), _mm512_mul_ps(p, _mm512_castsi512_ps(e)));
+  return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+}
 #else
 struct V16 { V8 lo, hi; };
 inline V16 load16(const float* p) { return {load8(p), load8(p + 8)}; }
@@ -298,6 +317,32 @@ inline V16 set16(float x) { return {set1(x), set1(x)}; }
 inline V16 zero16() { return {zero8(), zero8()}; }
 inline V16 fmadd(V16 a, V16 b, V16 c) { return {fmadd(a.lo, b.lo, c.lo), fmadd(a.hi, b.hi, c.hi)}; }
 #endif
+
+// x[j] = exp(x[j] - m) for j < n (n a multiple of 8), returning their sum.  The sum is the same
+// 8-lane accumulation, in the same order, in every build (the AVX-512 one splits each 16-lane
+// exp into its two halves), so the row sums, and the outputs, do not depend on the build.
+inline float exp_sub_sum(float* x, int n, float m) {
+  V8 sum = zero8();
+#if defined(SA_AVX512)
+  const __m512 m16 = _mm512_set1_ps(m);
+  int j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + j), m16));
+    _mm512_storeu_ps(x + j, p);
+    sum = add(sum, V8{_mm512_castps512_ps256(p)});
+    sum = add(sum, V8{_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p), 1))});  // AVX512F only
+  }
+#else
+  int j = 0;
+#endif
+  const V8 m8 = set1(m);
+  for (; j < n; j += 8) {
+    const V8 p = exp8(sub(load8(x + j), m8));
+    store8(x + j, p);
+    sum = add(sum, p);
+  }
+  return hsum(sum);
+}
 
 // dst[0:n] = src[0:n] as fp32 (n a multiple of 8).
 template <typename S>

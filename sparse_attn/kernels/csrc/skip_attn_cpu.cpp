@@ -50,9 +50,6 @@ constexpr int TILE_Q = 64;  // checked against _common.TILE_Q at load (sa_layout
 // Rows per item: 4 heads x 64 rows x D 64-128 keeps Q, S and O (3 x M x D fp32, <= 384 KiB)
 // inside the 1 MiB L2 of the machine this was tuned on; larger GQA groups get several items.
 constexpr int ITEM_ROWS = 256;
-// Items with fewer rows use the one-row kernels (qk_wide / pv_wide): decode 8 x 16k with
-// 8/2/128 heads (4 rows) went from 37.5 to 25.2 ms, 4 x 8k with 9/3/64 from 7.8 to 5.2 ms.
-constexpr int WIDE_ROWS = 6;
 // Lazy rescale: the exp reference of a row only moves when a tile's max exceeds it by more
 // than this many nats (exp(8) cannot overflow fp32); exact, the reference cancels in O / l.
 constexpr float RESCALE_SLACK = 8.0f;
@@ -281,8 +278,9 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
   int64_t ldk;
   const float* vrows[TILE_K];
   bool keep[ITEM_ROWS];
+  const float* prow[ITEM_ROWS];  // the kept heads' rows of P and O, for pv_tile
+  float* orow[ITEM_ROWS];
   TileSlots ts;
-  const bool wide = M < WIDE_ROWS;
   PROF(P_Q);
 
   for (int step = first_tile; step <= last_tile; ++step) {
@@ -317,18 +315,18 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
     }
     PROF(P_KPREP);
     // ---- S = (scale Q) K^T, [M, 64]; panels past the sequence end are -inf
-    if (wide && npanel == TILE_K / PANEL) {
-      for (int r = 0; r < M; ++r) qk_wide(Q + size_t(r) * D, kpanel, ldk, D, Sb + size_t(r) * TILE_K);
-    } else {
-      for (int rb = 0; rb < M; rb += MR) {
-        const int R = std::min(MR, M - rb);
-        for (int p = 0; p < npanel; ++p)
-          qk_rows(R, Q + size_t(rb) * D, D, kpanel[p], ldk, D, Sb + size_t(rb) * TILE_K + p * PANEL, TILE_K);
-        if (npanel * PANEL < TILE_K)
-          for (int r = rb; r < rb + R; ++r)
-            std::fill(Sb + size_t(r) * TILE_K + npanel * PANEL, Sb + size_t(r + 1) * TILE_K, NEG_INF);
-      }
+    // Decode (fewer rows than a block, read in place): prefetch the next tile's K while this one's
+    // streams (qk_tile says why).
+    const float* pf = nullptr;
+    if (KD && M < MR && npanel == TILE_K / PANEL && step < last_tile) {
+      const int tn = anchor_tile == first_tile ? step + 1 : step;  // the next tile visited
+      const int64_t pn = int64_t(tn) * TILE_K, col = pn / c.page_size;
+      if (pn + TILE_K <= kv)
+        pf = reinterpret_cast<const float*>(kh + block_at(c, s, col) * c.k_sb + (pn - col * c.page_size) * c.k_st);
     }
+    qk_tile(M, Q, D, kpanel, npanel, ldk, Sb, pf);
+    if (npanel * PANEL < TILE_K)
+      for (int r = 0; r < M; ++r) std::fill(Sb + size_t(r) * TILE_K + npanel * PANEL, Sb + size_t(r + 1) * TILE_K, NEG_INF);
     if (c.soft_cap > 0.0f) {  // logit = cap tanh(x / cap); masked positions are overwritten below
       const V8 inv = set1(1.0f / c.soft_cap), cap = set1(c.soft_cap);
       for (int r = 0; r < M; ++r)
@@ -405,14 +403,7 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
           float* o = O + size_t(r) * D;
           for (int d = 0; d < D; ++d) o[d] *= alpha;
         }
-        const V8 m = set1(mref[r]);
-        V8 sum = zero8();
-        for (int j = 0; j < TILE_K; j += 8) {
-          V8 p = exp8(sub(load8(row + j), m));
-          store8(row + j, p);
-          sum = add(sum, p);
-        }
-        l[r] += hsum(sum);
+        l[r] += exp_sub_sum(row, TILE_K, mref[r]);
       }
     }
     PROF(P_EXP);
@@ -438,21 +429,15 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
     }
     PROF(P_VPREP);
     // ---- O += P V for the kept heads' rows
+    int nkept = 0;
     for (int hh = 0; hh < nh; ++hh) {
       if (!keep[hh]) continue;
-      if (wide) {
-        for (int r = hh * nr; r < (hh + 1) * nr; ++r) pv_wide(Sb + size_t(r) * TILE_K, vrows, ntok, D, O + size_t(r) * D);
-        continue;
-      }
-      for (int rb = hh * nr; rb < (hh + 1) * nr; rb += MR) {
-        const int R = std::min(MR, (hh + 1) * nr - rb);
-        const float* P = Sb + size_t(rb) * TILE_K;
-        float* o = O + size_t(rb) * D;
-        int col = 0;
-        for (; col + 16 <= D; col += 16) pv_rows_w<2>(R, P, TILE_K, vrows, ntok, col, o, D);
-        if (col < D) pv_rows_w<1>(R, P, TILE_K, vrows, ntok, col, o, D);
+      for (int r = hh * nr; r < (hh + 1) * nr; ++r, ++nkept) {
+        prow[nkept] = Sb + size_t(r) * TILE_K;
+        orow[nkept] = O + size_t(r) * D;
       }
     }
+    pv_tile(nkept, prow, vrows, ntok, D, orow);
     PROF(P_PV);
   }
   // ---- out = v_scale O / (l + exp(sink - m)) in the query dtype
@@ -658,8 +643,9 @@ void sa_profile(uint64_t* out, int reset) {
 }
 
 // The kernel's vector exp / tanh on n floats (n % 8 == 0), for the accuracy tests.
-void sa_exp(const float* x, float* y, int64_t n) {
-  for (int64_t i = 0; i + 8 <= n; i += 8) store8(y + i, exp8(load8(x + i)));
+void sa_exp(const float* x, float* y, int64_t n) {  // the kernel's own exp pass (exp16 on AVX-512)
+  std::copy(x, x + (n / 8) * 8, y);
+  exp_sub_sum(y, int((n / 8) * 8), 0.0f);
 }
 void sa_tanh(const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i + 8 <= n; i += 8) store8(y + i, tanh8(load8(x + i)));
