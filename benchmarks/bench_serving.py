@@ -236,6 +236,9 @@ def child_steps(args) -> int:
                                     "prompt_tokens": sum(len(p) for p in w["prompts"]), "runs": runs})
     report["layers"] = [s.get("layers_installed") for s in _snapshots(llm)]
     report["load_during"] = os.getloadavg()
+    import torch
+
+    report["worker_threads"] = [torch.get_num_threads(), os.environ.get("OMP_PLACES", "(unset)")]
     import importlib.util
 
     spec = importlib.util.find_spec("sparse_attn")  # which tree's plugin served (a baseline config's own)
@@ -366,6 +369,10 @@ def main() -> int:
                     help="steps: prompt length and concurrent sequences of each workload, run in one engine per "
                          "config, e.g. 2048:1,8192:1,2048:16 (default: --prompt-len:--num-seqs)")
     ap.add_argument("--dtype", default="float32", help="model dtype for vLLM (default float32)")
+    ap.add_argument("--worker-cores", default=None,
+                    help="steps: the cores the in-process engine's OpenMP threads run on, e.g. 0 or 0-1 (default: those "
+                         "`vllm serve`'s CPU worker gets here, every core but one kept for its scheduler; "
+                         "compat.launch.served_cpu_worker_env)")
     ap.add_argument("--baseline-tree", default=None, metavar="DIR",
                     help="also serve plugin-dense and plugin-sparse from this source tree of sparse-attn (e.g. a "
                          "`git worktree` of an older commit; configs named ...@baseline): before/after in one run")
@@ -404,7 +411,7 @@ def main() -> int:
     if args.child:
         return child(args)
 
-    from compat import envs
+    from compat import envs, launch
 
     workloads = parse_workloads(args.workloads or f"{args.prompt_len}:{args.num_seqs}")
     if args.decode_timing != "steps" and args.workloads:
@@ -430,6 +437,10 @@ def main() -> int:
     env = envs.without_ours()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     env["SPARSE_ATTN_STATS_INTERVAL_S"] = "0"
+    if args.decode_timing == "steps":
+        # The engine runs in the child's own process, where vLLM binds nothing and torch would take every core;
+        # `vllm serve` runs its worker on every core but one (the scheduler's): the same threads here.
+        env.update(launch.served_cpu_worker_env(_cores(args.worker_cores) if args.worker_cores else None))
     base = build_model(args, workdir)
     positions = json.loads((base / "config.json").read_text()).get("max_position_embeddings")
     too_long = [length for length, _ in workloads if positions and length + args.decode_tokens + 8 > positions]
@@ -717,7 +728,8 @@ def steps_report(args, results: dict, workloads, base: Path, started: float, loa
     text = "\n".join([
         f"Command: `{cmdline}`", "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores ({_cpu_name()}), ISA {_isa()}; vllm {vllm.__version__}, "
-        f"torch {torch.__version__}; plugin CPU kernel: {_cpu_kernel()}. Load average before "
+        f"torch {torch.__version__}; plugin CPU kernel: {_cpu_kernel()}; engine worker threads "
+        f"{env_threads(results)}. Load average before "
         f"{'/'.join(f'{v:.1f}' for v in load_before)}, after {'/'.join(f'{v:.1f}' for v in load_after)}; "
         "per engine at its end: " + ", ".join(f"{n} {'/'.join(f'{v:.1f}' for v in r['load_during'])}" for n, r in results.items()) + ".",
         f"Model: {_describe_model(args, base)}, dtype {args.dtype}. M={args.decode_tokens} decode tokens per sequence, "
@@ -804,6 +816,24 @@ def _cpu_kernel() -> str:
 
     described = re.sub(r"[^\s,()]*/(sparse_attn_cpu-[^\s,()]+)", r"CACHE/\1", cpu_impl.status().describe())
     return f"{cpu_impl.cpu_kernel()} ({described})"
+
+
+def _cores(spec: str) -> list[int]:
+    """``"0"``, ``"0-3"``, ``"0,2"`` -> core ids."""
+    cores = []
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        cores += list(range(int(lo), int(hi or lo) + 1))
+    return cores
+
+
+def env_threads(results: dict) -> str:
+    """The torch threads and OpenMP places each engine ran with (as its child recorded them)."""
+    seen = {tuple(r["worker_threads"]) for r in results.values() if r.get("worker_threads")}
+    if len(seen) == 1:
+        (threads, places), = seen
+        return f"{threads} on cores {places} (what vllm serve's worker gets here)"
+    return ", ".join(f"{n} {r.get('worker_threads')}" for n, r in results.items())
 
 
 def _cpu_name() -> str:

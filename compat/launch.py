@@ -381,6 +381,21 @@ def cpu_engine_bind_env(cpu_ids: Sequence[int]) -> dict[str, str]:
     return {CPU_OMP_THREADS_BIND_ENV: ",".join(str(int(c)) for c in cpu_ids)}
 
 
+def served_cpu_worker_env(cpu_ids: Sequence[int] | None = None) -> dict[str, str]:
+    """The OpenMP environment of the one CPU worker ``vllm serve`` starts with ``VLLM_CPU_OMP_THREADS_BIND=auto``
+    (tensor parallel 1, one NUMA node), for an engine run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+    where vLLM binds nothing and torch takes every core: vLLM's multiprocess executor (its ``OMPProcessManager``,
+    0.2x-0.32) reserves one core for the scheduler process and binds the worker's threads to the rest
+    (``OMP_NUM_THREADS``, ``OMP_PLACES``, ``OMP_PROC_BIND`` without a preloaded libiomp / libgomp); on 2 cores,
+    one thread on core 0. ``cpu_ids``: the cores to share out (default: this process's affinity)."""
+    cores = sorted(os.sched_getaffinity(0)) if cpu_ids is None else sorted(int(c) for c in cpu_ids)
+    if not cores:
+        raise ValueError("served_cpu_worker_env: no cores")
+    worker = cores[:max(1, len(cores) - 1)]
+    return {"OMP_NUM_THREADS": str(len(worker)), "OMP_PLACES": "{" + ",".join(map(str, worker)) + "}",
+            "OMP_PROC_BIND": "true"}
+
+
 class PipelineParallelError(CompatError, ValueError):
     """The installed vLLM cannot run this many pipeline stages the way the caller starts it."""
 

@@ -43,7 +43,8 @@ import compat
 from compat import envs
 from compat import model as cmodel
 from compat import worker as cworker
-from sparse_attn.kernels import BatchMeta, LambdaRule, LayerSpec, PagedBatch, effective_lambda, paged_attention, paged_attention_counts
+from sparse_attn.kernels import (BatchMeta, LambdaRule, LayerSpec, PagedBatch, effective_lambda, layer_launch, paged_attention,
+                                 paged_attention_counts, step_args)
 from sparse_attn import settings
 from sparse_attn.kernels import support
 from sparse_attn.kernels.batch import COUNTER_SLOTS
@@ -166,14 +167,34 @@ class SparseAttentionMixin:
         policy's scale and window (``LambdaRule``) and adds its counts to the stats' device
         counter. On CPU the step's plan holds the host lambdas (tensors there are host data)."""
         self._sa_stats.count_call()
-        q, out, key_cache, value_cache = self._views(call, batch)
         step = _step_plan(batch, DECODE, self._sa_policy, None)
+        counters = self._sa_stats.device_counter(DECODE, call.query.device)
+        if step.cpu_args is not None and (self._sa_writer is None or call.tokens_stored):
+            launch = self._launch(call, batch)
+            if launch is not None:  # no view, no tensor op: the layer's prepared launch
+                launch.run(step.cpu_args, call.query, call.output, counters)
+                return
+        q, out, key_cache, value_cache = self._views(call, batch)
         paged_attention(
             PagedBatch(q, key_cache, value_cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
                        max_query_len=int(batch.max_query_len), host=step.host),
-            self._sa_spec, threshold=step.threshold, out=out, check=False,
-            counters=self._sa_stats.device_counter(DECODE, q.device),
+            self._sa_spec, threshold=step.threshold, out=out, check=False, counters=counters,
         )
+
+    def _launch(self, call: cworker.ImplCall, batch: cmodel.BatchDescription):
+        """The layer's prepared launch (``kernels.layer_launch``), built at its first decode on a cache and kept
+        for that cache tensor's geometry (pointer, shape, strides) and the query dtype; ``None`` where the kernel
+        serving this layer has none (the step then launches through ``paged_attention``)."""
+        kv = call.kv_cache
+        key = (kv.data_ptr(), kv.shape, kv.stride(), kv.dtype, call.query.dtype)
+        held = self.__dict__.get("_sa_launch")
+        if held is not None and held[0] == key:
+            return held[1]
+        q, _, key_cache, value_cache = self._views(call, batch)
+        launch = layer_launch(self._sa_spec, PagedBatch(q, key_cache, value_cache, batch.block_table, batch.seq_lens,
+                                                        batch.query_start_loc))
+        self._sa_launch = (key, launch)
+        return launch
 
     # ------------------------------------------------------------------ prefill / mixed / calibration (eager)
     def _eager(self, call: cworker.ImplCall, batch: cmodel.BatchDescription):
@@ -244,6 +265,8 @@ class StepPlan:
     sparse: bool
     threshold: LambdaRule | torch.Tensor | None
     validated: bool = False
+    #: CPU uniform decode: the batch part of every layer's prepared launch (``kernels.step_args``)
+    cpu_args: Any = None
 
     def check_once(self) -> bool:
         """``True`` for the step's first launch (full validation), ``False`` after, unless
@@ -263,8 +286,13 @@ def _step_plan(batch: cmodel.BatchDescription, phase: str, policy: Policy, rows:
         if rows is None:
             # Uniform decode, capture-safe: no host data. A phase whose every lambda is 0 still
             # runs the kernel, which counts the launch as dense (no branch on device data).
-            # CPU: the rule's device form once per step (the CPU kernels take lambda tensors).
-            return StepPlan(None, rule is not None, rule.lambdas(batch.seq_lens) if cpu and rule else rule)
+            # CPU: the rule's device form once per step (the CPU kernels take lambda tensors), and the batch part
+            # of the layers' prepared launches.
+            if cpu and rule:
+                lam = rule.lambdas(batch.seq_lens)
+                return StepPlan(None, True, lam, cpu_args=step_args(batch.block_table, batch.seq_lens,
+                                                                    batch.query_start_loc, lam))
+            return StepPlan(None, rule is not None, rule)
         host = BatchMeta(rows.kv_lens, rows.q_starts, rows.q_lens, rows.kv_lens_exact)
         lams = rule.host_lambdas(host.seq_lens) if rule is not None else []
         sparse = any(lam > 0 for lam in lams) if host.seq_lens_exact else rule is not None

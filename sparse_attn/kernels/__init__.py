@@ -8,11 +8,11 @@ versions or cache layouts.
 """
 
 from ._common import SPLIT_K, TILE_K, TILE_Q
-from .api import paged_attention, paged_attention_counts
+from .api import layer_launch, paged_attention, paged_attention_counts, step_args
 from .batch import BatchMeta, LayerSpec, PagedBatch
 from .checks import effective_lambda, never_skips
 from .rule import LambdaRule
 from .support import spec_for, unsupported
 
 __all__ = ["SPLIT_K", "TILE_K", "TILE_Q", "BatchMeta", "LambdaRule", "LayerSpec", "PagedBatch", "effective_lambda",
-           "never_skips", "paged_attention", "paged_attention_counts", "spec_for", "unsupported"]
+           "layer_launch", "never_skips", "paged_attention", "paged_attention_counts", "spec_for", "step_args", "unsupported"]

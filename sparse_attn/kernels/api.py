@@ -11,10 +11,10 @@ has this one function)::
             ) -> (out, skipped int64 [n, Hq] | None, visited int64 [Hq] | None)
 
 ``meta`` is the host copy of the batch (``None`` only on the Triton capture path); the
-counts are ``None`` when ``count_thresholds`` is. A backend with ``COUNTS_V_TILES`` that
-returns its counts (the compiled CPU kernel) also takes ``v_counts`` (int64 ``[2]``, written:
-V-tile visits tested and those left unread); Triton adds the same into ``counters`` itself.  Arguments arrive validated (or
-``check=False``: the caller vouches for them); ``T > 0``.
+counts are ``None`` when ``count_thresholds`` is. A backend with ``COUNTS_IN_KERNEL`` (Triton, the compiled
+CPU kernel) also takes ``counters`` (the stats' int64 counter, :data:`COUNTER_SLOTS`) and adds a serving
+launch's counts into it itself (tiles skipped and visited, V tiles tested and left unread, one launch), with
+no host read.  Arguments arrive validated (or ``check=False``: the caller vouches for them); ``T > 0``.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def _run(batch: PagedBatch, spec: LayerSpec, threshold, candidates, count: bool,
         if check:
             effective_lambda(threshold.scale_factor, 1, threshold.window)       # the rule's own argument checks
             lambdas(threshold.scale_factor, 1)                                  # finite, >= 0
-        if getattr(backend, "COUNTS_IN_KERNEL", False):
+        if getattr(backend, "COMPUTES_LAMBDAS", False):
             return _accumulated(batch, spec, threshold, counters, out, backend, split_k, check)
         meta = validate(batch, spec, out, check) if check else batch.host
         # CPU tensors: the rule's host form from the host lengths (no torch op but the tensor)
@@ -101,8 +101,8 @@ def _run(batch: PagedBatch, spec: LayerSpec, threshold, candidates, count: bool,
 
 def _accumulated(batch, spec, threshold, counters, out, backend, split_k, check):
     """A serving launch whose counts go into ``counters`` (int64, :data:`COUNTER_SLOTS`), or
-    nowhere when it is ``None``.  Triton adds them in the kernel (atomics: no torch op); the
-    CPU kernels return them and they are added here on the host (CPU tensors: no sync)."""
+    nowhere when it is ``None``.  Triton (atomics) and the compiled CPU kernel add them themselves (no
+    torch op); the torch kernel returns them and they are added here on the host (CPU tensors: no sync)."""
     if counters is not None and (not isinstance(counters, torch.Tensor) or counters.dtype != torch.int64
                                  or counters.dim() != 1 or counters.shape[0] <= max(COUNTER_SLOTS.values())
                                  or counters.device != batch.query.device):
@@ -114,23 +114,22 @@ def _accumulated(batch, spec, threshold, counters, out, backend, split_k, check)
         out = torch.empty_like(batch.query, memory_format=torch.contiguous_format)
     if batch.query.shape[0] == 0:
         return out, None, None
+    if isinstance(threshold, LambdaRule):
+        lam = threshold
+    elif not check and isinstance(threshold, torch.Tensor) and threshold.dtype == torch.float32 \
+            and threshold.shape == (batch.num_seqs,):
+        lam = threshold                     # the caller vouches for it (check=False): no per-launch scan
+    else:
+        lam = lambdas(threshold, batch.num_seqs, reads_device=bool(check) and batch.host is None or
+                      batch.query.device.type == "cpu", device=batch.query.device)
     if getattr(backend, "COUNTS_IN_KERNEL", False):
-        lam = threshold if isinstance(threshold, LambdaRule) else \
-            lambdas(threshold, batch.num_seqs, reads_device=bool(check) and batch.host is None, device=batch.query.device)
         return backend.forward(batch, spec, meta, threshold=lam, count_thresholds=None, out=out, split_k=split_k,
                                counters=counters)
     if meta is None:
         meta = BatchMeta.from_host(batch.seq_lens, batch.query_start_loc)
-    if not check and isinstance(threshold, torch.Tensor) and threshold.dtype == torch.float32 \
-            and threshold.shape == (batch.num_seqs,):
-        lam = threshold                     # the caller vouches for it (check=False): no per-launch scan
-    else:
-        lam = lambdas(threshold, batch.num_seqs, reads_device=True)
     counting = counters is not None
-    v_tiles = torch.empty(2, dtype=torch.int64) if counting and getattr(backend, "COUNTS_V_TILES", False) else None
-    extra = {} if v_tiles is None else {"v_counts": v_tiles}
     out, skipped, visited = backend.forward(batch, spec, meta, threshold=lam, count_thresholds=lam[None, :] if counting
-                                            else None, out=out, split_k=split_k, **extra)
+                                            else None, out=out, split_k=split_k)
     if counting:
         # the rule of COUNTER_SLOTS, on host ints: tiles of sequences with lambda > 0, one launch
         sparse = any(l > 0 and q > 0 for l, q in zip(lam.tolist(), meta.q_lens))
@@ -138,8 +137,6 @@ def _accumulated(batch, spec, threshold, counters, out, backend, split_k, check)
         if sparse:                          # host tensors: read without an op per sum
             row[COUNTER_SLOTS["skipped"]], row[COUNTER_SLOTS["visited"]] = sum(skipped.view(-1).tolist()), \
                 sum(visited.tolist())
-            if v_tiles is not None:
-                row[COUNTER_SLOTS["v_tested"]], row[COUNTER_SLOTS["v_skipped"]] = v_tiles.tolist()
         row[COUNTER_SLOTS["launches" if sparse else "dense_launches"]] = 1
         counters.add_(torch.tensor(row, dtype=torch.int64))
     return out, None, None
@@ -236,3 +233,23 @@ def paged_attention_counts(
         sequences with some candidate > 0, whatever the values: ``_common`` "Counts").
     """
     return _run(batch, spec, None, thresholds, True, out, impl, split_k, check)
+
+
+def layer_launch(spec: LayerSpec, batch: PagedBatch, *, impl: str = "auto", split_k: int | None = None):
+    """A launcher prepared once for ``spec``'s serving launches on ``batch``'s cache views, where the backend that
+    serves ``batch`` has one (the compiled CPU kernel: :class:`cpu_impl.LayerLaunch`, FlashInfer's plan / run
+    split), else ``None`` (launch with :func:`paged_attention`).  Its ``run(step, query, out, counters)`` takes
+    the step's :class:`cpu_impl.StepArgs` (:func:`step_args`), validates nothing and adds the counts into
+    ``counters``; the library itself refuses a block id outside the cache."""
+    if _backend(impl, batch) is not cpu_impl:
+        return None
+    return cpu_impl.LayerLaunch(spec, batch.key_cache, batch.value_cache, batch.num_q_heads, batch.query.dtype,
+                                check_split(split_k))
+
+
+def step_args(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+              lam: torch.Tensor) -> cpu_impl.StepArgs:
+    """The batch part of a step's :func:`layer_launch` launches, built once per step for every layer: CPU
+    block table, KV lengths and query offsets, and the float32 ``[S]`` lambdas (0 = dense)."""
+    return cpu_impl.StepArgs(block_table, seq_lens, query_start_loc, lam)
+

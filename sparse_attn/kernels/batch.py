@@ -155,6 +155,7 @@ class LayerSpec:
 #: Where a launch adds its counts in a ``counters`` tensor (int64, the serving stats' device
 #: counter of a (phase, device), ``sparse_attn.protocol.PHASE_COUNTERS`` order): tiles skipped
 #: and visited by sequences with lambda > 0, and one sparse launch (some lambda > 0 on a
-#: sequence with query rows) or one dense launch; and, from a kernel that counts them
-#: (``COUNTS_V_TILES``), the (KV head, tile) pairs tested and those whose V no query head read.
+#: sequence with query rows) or one dense launch; and, from the kernels that add their counts themselves
+#: (``COUNTS_IN_KERNEL``: Triton, the compiled CPU kernel), the (KV head, tile) pairs tested and those whose V
+#: no query head read.
 COUNTER_SLOTS = {"skipped": 0, "visited": 1, "launches": 2, "dense_launches": 4, "v_tested": 5, "v_skipped": 6}

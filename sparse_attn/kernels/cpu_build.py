@@ -38,7 +38,7 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "skip_attn_cpu.cpp"
 HEADERS = ("sa_simd.h", "sa_kernels.h")
 #: The C ABI (``kAbiVersion`` in the source); :class:`SaCall` and the tile sizes are checked
 #: against the library's own ``sa_layout`` when it is opened.
-ABI_VERSION = 6
+ABI_VERSION = 7
 #: Seconds one compile may take before it is abandoned (measured: ~7 s of CPU time with g++ 12).
 COMPILE_TIMEOUT_S = 600
 # -O2, not -O3: the micro-kernels carry their own unroll pragmas, so -O3 bought nothing
@@ -70,7 +70,7 @@ class SaCall(ctypes.Structure):
         ("seq_lens", ctypes.c_void_p), ("qsl", ctypes.c_void_p), ("sl_s", ctypes.c_int64), ("qsl_s", ctypes.c_int64),
         ("lam", ctypes.c_void_p), ("count_lam", ctypes.c_void_p),
         ("sink_logits", ctypes.c_void_p), ("skipped", ctypes.c_void_p), ("visited", ctypes.c_void_p),
-        ("v_counts", ctypes.c_void_p),
+        ("counters", ctypes.c_void_p),
     ]
 
 
@@ -170,13 +170,20 @@ def cache_key(isa: str, profile: bool = False) -> str:
     return h.hexdigest()[:16]
 
 
+#: The order in which ``sa_layout`` reports the slots of ``SaCall.counters`` (``kernels.batch.COUNTER_SLOTS``).
+COUNTER_SLOT_ORDER = ("skipped", "visited", "launches", "dense_launches", "v_tested", "v_skipped")
+
+
 def expected_layout() -> list[int]:
     """What ``sa_layout`` must report: ABI, ``sizeof(SaCall)``, field count, TILE_Q, TILE_K,
-    then every field's offset, all from this side (:class:`SaCall`, ``_common``)."""
+    every field's offset, then the counters' slots, all from this side (:class:`SaCall`, ``_common``,
+    ``COUNTER_SLOTS``)."""
     from ._common import TILE_K, TILE_Q
+    from .batch import COUNTER_SLOTS
 
     offsets = [getattr(SaCall, name).offset for name, _ in SaCall._fields_]
-    return [ABI_VERSION, ctypes.sizeof(SaCall), len(SaCall._fields_), TILE_Q, TILE_K, *offsets]
+    return [ABI_VERSION, ctypes.sizeof(SaCall), len(SaCall._fields_), TILE_Q, TILE_K, *offsets,
+            *(COUNTER_SLOTS[name] for name in COUNTER_SLOT_ORDER)]
 
 
 def check_layout(lib: ctypes.CDLL, path: Path) -> None:
@@ -192,10 +199,11 @@ def check_layout(lib: ctypes.CDLL, path: Path) -> None:
     got = list(buf[:min(n, len(buf))])
     if got == want:
         return
-    names = ["ABI", "sizeof(SaCall)", "SaCall field count", "TILE_Q", "TILE_K"]
+    names = ["ABI", "sizeof(SaCall)", "SaCall field count", "TILE_Q", "TILE_K"] \
+        + [f"offset of SaCall.{name}" for name, _ in SaCall._fields_] \
+        + [f"the counters' {name!r} slot (kernels.batch.COUNTER_SLOTS)" for name in COUNTER_SLOT_ORDER]
     diff = next((i for i in range(max(len(got), len(want))) if i >= len(got) or i >= len(want) or got[i] != want[i]))
-    what = names[diff] if diff < len(names) else f"offset of SaCall.{SaCall._fields_[diff - 5][0]}" \
-        if diff - 5 < len(SaCall._fields_) else "an extra SaCall field"
+    what = names[diff] if diff < len(names) else "an extra layout value"
     seen = got[diff] if diff < len(got) else "nothing"
     expected = want[diff] if diff < len(want) else "nothing"
     raise CpuKernelUnavailable(

@@ -18,16 +18,17 @@ import torch
 
 from . import cpu_build
 from ._common import SPLIT_K, TILE_K
-from .batch import BatchMeta, LayerSpec, PagedBatch
+from .batch import COUNTER_SLOTS, BatchMeta, LayerSpec, PagedBatch
 
 logger = logging.getLogger("sparse_attn")
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 #: Cache dtypes: the query's, or an fp8 cache (dequantised with the layer's k/v scales).
 _KV_DTYPES = {**_DTYPES, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
-#: ``forward(v_counts=)``: this kernel counts the V tiles it did not read (the union over a KV group's query heads),
-#: which a serving launch adds to ``COUNTER_SLOTS`` "v_tested" / "v_skipped".
-COUNTS_V_TILES = True
+#: ``forward(counters=)``: the library adds a serving launch's counts into the stats' counter itself
+#: (``COUNTER_SLOTS``, the V tiles it did not read included: the union over a KV group's query heads), as
+#: Triton does with atomics: no tensor is allocated or read back per launch.
+COUNTS_IN_KERNEL = True
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,7 @@ def forward(
     count_thresholds: torch.Tensor | None,
     out: torch.Tensor,
     split_k: int = SPLIT_K,
-    v_counts: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The backend contract of :mod:`sparse_attn.kernels.api`: fill ``out`` [T, Hq, D] and
     return ``(out, skipped int64 [n, Hq] | None, visited int64 [Hq] | None)`` for
@@ -168,8 +169,8 @@ def forward(
     ``k_scale`` / ``v_scale`` (floats or 1-element CPU tensors; fp8 caches ``float8_e4m3fn`` /
     ``float8_e5m2`` hold values / scale).
 
-    ``v_counts``: an int64 ``[2]`` CPU tensor the kernel writes (:data:`COUNTS_V_TILES`): the (KV head's query
-    heads, tile) pairs tested under ``threshold`` (> 0), and those no query head kept (V not read).
+    ``counters`` (:data:`COUNTS_IN_KERNEL`, not with ``count_thresholds``): the stats' int64 CPU counter
+    (``COUNTER_SLOTS``) the library adds this launch's counts to; the counts are then not returned.
 
     Needs :func:`status` ``().available`` and :func:`supports`; threads: ``torch.get_num_threads()``.
     """
@@ -178,8 +179,20 @@ def forward(
         require()
         lib = _state["lib"]
     call = make_call(batch, spec, threshold=threshold, count_thresholds=count_thresholds, out=out, split_k=split_k,
-                     v_counts=v_counts)
-    rc = lib.sa_forward(ctypes.byref(call.c))
+                     counters=counters)
+    _launch(lib, call.c, batch)
+    if count_thresholds is None:
+        return out, None, None
+    return out, call.skipped, call.visited
+
+
+def _launch(lib, c: cpu_build.SaCall, batch: PagedBatch) -> None:
+    rc = lib.sa_forward(ctypes.byref(c))
+    if rc:
+        _launch_failed(rc, batch)
+
+
+def _launch_failed(rc: int, batch: PagedBatch) -> None:
     if rc in (cpu_build.BAD_BLOCK_ID, cpu_build.BAD_BLOCK_TABLE):
         # The library refused before reading anything; the checks say where (every argument
         # was validated unless check=False, so this is the caller's unchecked batch).
@@ -188,9 +201,6 @@ def forward(
         block_table_error(batch)
     if rc:
         raise RuntimeError(f"sparse_attn CPU kernel failed (code {rc}: {cpu_build.RETURN_CODES.get(rc, 'unknown')})")
-    if count_thresholds is None:
-        return out, None, None
-    return out, call.skipped, call.visited
 
 
 @dataclass
@@ -207,60 +217,144 @@ class Call:
 
 
 def make_call(batch: PagedBatch, spec: LayerSpec, *, threshold: torch.Tensor, count_thresholds: torch.Tensor | None,
-              out: torch.Tensor, split_k: int = SPLIT_K, v_counts: torch.Tensor | None = None) -> Call:
+              out: torch.Tensor, split_k: int = SPLIT_K, counters: torch.Tensor | None = None) -> Call:
     """The ``SaCall`` of :func:`forward`'s arguments (pointers into the batch's own tensors)."""
-    query, key_cache, value_cache, block_table = batch.query, batch.key_cache, batch.value_cache, batch.block_table
-    num_seqs, hq = batch.num_seqs, batch.num_q_heads
-    # The lengths are read from the batch's own CPU tensors (meta is their host copy).
-    seq_lens, qsl = _index_tensor(batch.seq_lens), _index_tensor(batch.query_start_loc)
+    query, hq = batch.query, batch.num_q_heads
     lam = threshold.to("cpu", torch.float32).contiguous()
+    if counters is not None:
+        if count_thresholds is not None:
+            raise ValueError("counters: not together with count_thresholds (the launch counts under its own lambdas)")
+        _check_counters(counters)
+        count_thresholds = lam[None, :]  # counted under the serving lambdas, added into counters by the library
     n_counts = 0 if count_thresholds is None else int(count_thresholds.shape[0])
     count_lam = None if count_thresholds is None else count_thresholds.to("cpu", torch.float32).contiguous()
     # Uninitialised: the library writes every count before it returns 0 (an error raises).
     skipped = torch.empty(n_counts, hq, dtype=torch.int64)
     visited = torch.empty(hq, dtype=torch.int64)
-    bt = block_table if block_table.dtype in (torch.int32, torch.int64) else block_table.long()
+    c = cpu_build.SaCall()
+    layer_keep = _fill_layer(c, spec, query.dtype, batch.key_cache, batch.value_cache, hq, split_k)
+    step = StepArgs(batch.block_table, batch.seq_lens, batch.query_start_loc, lam)
+    step.fill(c)
+    c.num_counts = n_counts
+    c.count_lam = None if count_lam is None else count_lam.data_ptr()
+    _fill_io(c, query, out)
+    if counters is None:
+        c.skipped = skipped.data_ptr()
+        c.visited = visited.data_ptr()
+    else:
+        c.counters = counters.data_ptr()
+    return Call(c, skipped, visited, (out, query, step, layer_keep, count_lam, counters))
+
+
+def _check_counters(counters: torch.Tensor) -> None:
+    if counters.dtype != torch.int64 or counters.device.type != "cpu" or counters.dim() != 1 \
+            or counters.shape[0] <= max(COUNTER_SLOTS.values()) or not counters.is_contiguous():
+        raise ValueError(f"counters: expected a contiguous int64 [>{max(COUNTER_SLOTS.values())}] CPU tensor, got "
+                         f"{counters.dtype} {tuple(counters.shape)} on {counters.device}")
+
+
+def _fill_layer(c: cpu_build.SaCall, spec: LayerSpec, dtype: torch.dtype, key_cache: torch.Tensor,
+                value_cache: torch.Tensor, num_q_heads: int, split_k: int) -> tuple:
+    """A layer's part of ``c``: its constants and its cache views; returns the tensors ``c`` points into."""
     sinks = spec.sink_logits
     sinks_f32 = None if sinks is None else sinks.detach().to("cpu", torch.float32).contiguous()
     # CPU tensors only reach this backend, so reading a tensor scale is no device sync.
     k_scale, v_scale = float(spec.k_scale), float(spec.v_scale)
-    c = cpu_build.SaCall()
     c.abi = cpu_build.ABI_VERSION
-    c.dtype = _DTYPES[query.dtype]
-    c.kv_dtype = _KV_DTYPES[key_cache.dtype]
-    c.num_seqs, c.num_q_heads, c.num_kv_heads = num_seqs, hq, batch.num_kv_heads
-    c.head_dim, c.page_size = batch.head_dim, batch.page_size
+    c.dtype, c.kv_dtype = _DTYPES[dtype], _KV_DTYPES[key_cache.dtype]
+    c.num_q_heads, c.num_kv_heads = num_q_heads, key_cache.shape[2]
+    c.head_dim, c.page_size = key_cache.shape[3], key_cache.shape[1]
     c.causal, c.window = int(spec.causal), int(spec.window or 0)
-    c.split_tiles, c.num_threads = split_k // TILE_K, torch.get_num_threads()
-    c.num_counts, c.bt_is64 = n_counts, int(bt.dtype == torch.int64)
-    c.sl_is64, c.qsl_is64 = int(seq_lens.dtype == torch.int64), int(qsl.dtype == torch.int64)
-    c.num_blocks, c.bt_cols = key_cache.shape[0], bt.shape[1]
+    c.split_tiles = split_k // TILE_K
+    c.num_blocks = key_cache.shape[0]
     c.scale, c.soft_cap, c.v_scale = float(spec.scale) * k_scale, float(spec.soft_cap or 0.0), v_scale
-    c.q = query.data_ptr()
-    c.q_st, c.q_sh, c.q_sd = query.stride()
-    c.out = out.data_ptr()
-    c.o_st, c.o_sh, c.o_sd = out.stride()
     c.k = key_cache.data_ptr()
     c.k_sb, c.k_st, c.k_sh, c.k_sd = key_cache.stride()
     c.v = value_cache.data_ptr()
     c.v_sb, c.v_st, c.v_sh, c.v_sd = value_cache.stride()
-    c.bt = bt.data_ptr()
-    c.bt_s0, c.bt_s1 = bt.stride()
-    c.seq_lens, c.sl_s = seq_lens.data_ptr(), seq_lens.stride(0)
-    c.qsl, c.qsl_s = qsl.data_ptr(), qsl.stride(0)
-    c.lam = lam.data_ptr()
-    c.count_lam = None if count_lam is None else count_lam.data_ptr()
     c.sink_logits = None if sinks_f32 is None else sinks_f32.data_ptr()
-    c.skipped = skipped.data_ptr()
-    c.visited = visited.data_ptr()
-    if v_counts is not None:
-        if v_counts.dtype != torch.int64 or v_counts.device.type != "cpu" or v_counts.shape != (2,) \
-                or not v_counts.is_contiguous():
-            raise ValueError(f"v_counts: expected a contiguous int64 [2] CPU tensor, got {v_counts.dtype} "
-                             f"{tuple(v_counts.shape)} on {v_counts.device}")
-        c.v_counts = v_counts.data_ptr()
-    return Call(c, skipped, visited, (out, query, key_cache, value_cache, seq_lens, qsl, lam, count_lam, bt, sinks_f32,
-                                      v_counts))
+    return key_cache, value_cache, sinks_f32
+
+
+def _fill_io(c: cpu_build.SaCall, query: torch.Tensor, out: torch.Tensor) -> None:
+    """The query ``[T, Hq, D]`` and output ``[T, Hq, D]`` of ``c`` (any strides)."""
+    c.q = query.data_ptr()
+    c.q_st, c.q_sh, c.q_sd = query.stride()
+    c.out = out.data_ptr()
+    c.o_st, c.o_sh, c.o_sd = out.stride()
+
+
+class StepArgs:
+    """The batch part of a launch (CPU tensors), built once per step and shared by every layer of it:
+    block table ``[S, max_blocks]``, KV lengths ``[S]``, query offsets ``[S + 1]`` (int32 / int64, any
+    stride) and the serving lambdas (float32 ``[S]``, 0 = dense).  Holds the tensors it points into."""
+
+    __slots__ = ("block_table", "seq_lens", "query_start_loc", "lam", "num_seqs", "num_threads")
+
+    def __init__(self, block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                 lam: torch.Tensor):
+        self.block_table = block_table if block_table.dtype in (torch.int32, torch.int64) else block_table.long()
+        # The lengths are read from the batch's own CPU tensors (a BatchMeta is their host copy).
+        self.seq_lens, self.query_start_loc = _index_tensor(seq_lens), _index_tensor(query_start_loc)
+        self.lam = lam.to("cpu", torch.float32).contiguous()
+        self.num_seqs = int(seq_lens.shape[0])
+        self.num_threads = torch.get_num_threads()
+
+    def fill(self, c: cpu_build.SaCall) -> None:
+        bt, seq_lens, qsl = self.block_table, self.seq_lens, self.query_start_loc
+        c.num_seqs, c.num_threads = self.num_seqs, self.num_threads
+        c.bt, c.bt_is64, c.bt_cols = bt.data_ptr(), int(bt.dtype == torch.int64), bt.shape[1]
+        c.bt_s0, c.bt_s1 = bt.stride()
+        c.seq_lens, c.sl_s, c.sl_is64 = seq_lens.data_ptr(), seq_lens.stride(0), int(seq_lens.dtype == torch.int64)
+        c.qsl, c.qsl_s, c.qsl_is64 = qsl.data_ptr(), qsl.stride(0), int(qsl.dtype == torch.int64)
+        c.lam = self.lam.data_ptr()
+
+
+class LayerLaunch:
+    """One layer's serving launches of the compiled kernel on its cache, prepared once (FlashInfer's plan /
+    run split): the argument block holds the layer's constants and its cache views' pointers and strides; a
+    launch sets the step's :class:`StepArgs`, the query and output, and calls the library, which adds the
+    counts into the stats' counter itself.  About twenty field writes and no tensor op, where the general
+    path (:func:`forward`) builds and validates everything per call: most of a short decode layer's cost.
+
+    ``key_cache`` / ``value_cache``: the layer's cache views (``PagedBatch``'s shapes).  Only their pointers
+    and strides are kept, not the tensors (a cache vLLM frees, e.g. in sleep mode, is not held here): the
+    caller keeps the launch for the cache tensor it was built on and builds another for any other;
+    ``dtype``: the query's."""
+
+    def __init__(self, spec: LayerSpec, key_cache: torch.Tensor, value_cache: torch.Tensor, num_q_heads: int,
+                 dtype: torch.dtype, split_k: int = SPLIT_K):
+        if _state.get("lib") is None:
+            require()
+        self.c = cpu_build.SaCall()
+        self._sinks = _fill_layer(self.c, spec, dtype, key_cache, value_cache, num_q_heads, split_k)[2]
+        self.c.num_counts = 1  # counted under the serving lambdas (count_lam = lam), added into counters
+        self._heads, self._head_dim = num_q_heads, key_cache.shape[3]
+
+    def run(self, step: StepArgs, query: torch.Tensor, out: torch.Tensor, counters: torch.Tensor) -> None:
+        """Attention of ``query`` into ``out`` (``[T, Hq, D]`` or ``[T, Hq * D]``, the last dims contiguous;
+        only the step's ``T = query_start_loc[S]`` rows are read / written) for the step's batch; the counts
+        are added to ``counters`` (the stats' int64 CPU counter, ``COUNTER_SLOTS``)."""
+        c = self.c
+        step.fill(c)
+        c.count_lam = c.lam
+        c.counters = counters.data_ptr()
+        c.q, (c.q_st, c.q_sh, c.q_sd) = query.data_ptr(), self._rows(query)
+        c.out, (c.o_st, c.o_sh, c.o_sd) = out.data_ptr(), self._rows(out)
+        rc = _state["lib"].sa_forward(ctypes.byref(c))  # the library this process serves with (use_library)
+        if rc:
+            raise RuntimeError(f"sparse_attn CPU kernel failed (code {rc}: {cpu_build.RETURN_CODES.get(rc, 'unknown')}"
+                               f"; a prepared launch validates nothing: check the step's block table and lengths)")
+
+    def _rows(self, t: torch.Tensor) -> tuple[int, int, int]:
+        """(token, head, dim) strides of ``[T, Hq, D]`` or ``[T, Hq * D]`` rows."""
+        st = t.stride()
+        if len(st) == 3:
+            return st
+        if len(st) == 2 and st[1] == 1 and t.shape[1] == self._heads * self._head_dim:
+            return st[0], self._head_dim, 1
+        raise ValueError(f"LayerLaunch: expected [T, {self._heads}, {self._head_dim}] or [T, "
+                         f"{self._heads * self._head_dim}] rows, got {tuple(t.shape)} with strides {st}")
 
 
 def _index_tensor(t: torch.Tensor) -> torch.Tensor:

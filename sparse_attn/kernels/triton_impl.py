@@ -121,10 +121,11 @@ def kv_programs(num_seqs: int, head_programs: int, max_kv: int, split_k: int, wi
     return max(1, min(n_splits, want, MAX_KV_PROGRAMS))
 
 
-#: :mod:`.api`: this backend adds a launch's counts to a counter tensor itself (atomics).
+#: :mod:`.api`: this backend adds a launch's counts to a counter tensor itself (atomics), the V tiles it did not
+#: read included (``COUNTER_SLOTS`` "v_tested" / "v_skipped", ACCUMULATE).
 COUNTS_IN_KERNEL = True
-#: The kernel adds the V tiles it did not read to ``COUNTER_SLOTS`` "v_tested" / "v_skipped" (ACCUMULATE).
-COUNTS_V_TILES = True
+#: :mod:`.api`: this backend takes a ``LambdaRule`` as is and computes each sequence's lambda in the kernel.
+COMPUTES_LAMBDAS = True
 
 
 def _interpreting() -> bool:

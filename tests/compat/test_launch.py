@@ -131,3 +131,17 @@ def test_cpu_engine_bind_env_reads_back_through_vllms_own_parser(cpu_ids):
 def test_cpu_engine_bind_env_refuses_no_cores():
     with pytest.raises(ValueError, match="no cores"):
         launch.cpu_engine_bind_env([])
+
+
+@pytest.mark.parametrize("cores, threads, places", [([0, 1], "1", "{0}"), ([0], "1", "{0}"), ([4, 2, 3, 5], "3", "{2,3,4}")],
+                         ids=["two-cores", "one-core", "four-scattered"])
+def test_served_cpu_worker_env_keeps_one_core_for_the_scheduler(cores, threads, places):
+    """vllm serve's CPU worker (auto binding, TP 1) gets every core but one: the environment an in-process
+    engine needs to run the same threads (vLLM's OMPProcessManager sets these three variables)."""
+    assert launch.served_cpu_worker_env(cores) == {"OMP_NUM_THREADS": threads, "OMP_PLACES": places,
+                                                    "OMP_PROC_BIND": "true"}
+
+
+def test_served_cpu_worker_env_refuses_no_cores():
+    with pytest.raises(ValueError, match="no cores"):
+        launch.served_cpu_worker_env([])

@@ -122,3 +122,22 @@ def test_calibrate_refuses_engine_values_this_release_rejects(tmp_path, capsys, 
     out = capsys.readouterr()
     assert code == 2 and words in out.err, out.err
     assert not (tmp_path / "out.json").exists()
+
+
+def test_served_cpu_worker_env_is_the_one_vllms_executor_gives_its_worker(monkeypatch):
+    """compat.launch.served_cpu_worker_env (what bench_serving's in-process engine runs with) equals the OpenMP
+    environment vLLM's own multiprocess executor sets for a one-worker CPU engine on this machine."""
+    ompmp = pytest.importorskip("vllm.utils.ompmultiprocessing")
+    import os
+    import types
+
+    from compat import launch
+
+    for name in ("VLLM_CPU_OMP_THREADS_BIND", "LD_PRELOAD", "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_SIM_MULTI_NUMA"):
+        monkeypatch.delenv(name, raising=False)
+    config = types.SimpleNamespace(kv_transfer_config=None, parallel_config=types.SimpleNamespace(
+        local_world_size=1, data_parallel_rank_local=0, _api_process_count=1))
+    names = ("OMP_NUM_THREADS", "OMP_PLACES", "OMP_PROC_BIND")
+    with ompmp.OMPProcessManager(config).configure_omp_envs(0, 0):
+        vllms = {name: os.environ.get(name) for name in names}
+    assert launch.served_cpu_worker_env() == vllms

@@ -135,6 +135,16 @@ def kernel_calls(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(adapter, "paged_attention", recording)
+    # A CPU decode step served by the compiled kernel launches through the layer's prepared launch instead.
+    from sparse_attn.kernels import cpu_impl
+
+    real_run = cpu_impl.LayerLaunch.run
+
+    def recording_run(self, step, query, out, counters):
+        calls.append((step.lam.tolist(), step.seq_lens.tolist()))
+        return real_run(self, step, query, out, counters)
+
+    monkeypatch.setattr(cpu_impl.LayerLaunch, "run", recording_run)
     return calls
 
 
@@ -703,3 +713,33 @@ def test_a_layer_with_window_soft_cap_and_sinks_is_served_with_its_spec(q_lens, 
     want = featured_reference(query[:n], kv_cache, md, window, soft_cap, sinks)
     torch.testing.assert_close(output[:n].double(), want, rtol=1e-5, atol=1e-5)
     assert (output[:n] - dense(query[:n], kv_cache, md)).abs().max() > 1e-2, "the features changed nothing"
+
+
+def test_a_decode_layer_follows_the_cache_vllm_hands_it(kernel_calls):
+    """Where vLLM writes the cache (0.29+), a CPU decode layer served by the compiled kernel keeps a prepared
+    launch for its cache's geometry: a new cache tensor (vLLM reallocates caches, e.g. after sleep mode) gets
+    a launch of its own, and each step's output is that cache's attention (SDPA reference), the counts in
+    the stats."""
+    from sparse_attn.kernels import cpu_impl
+
+    if cpu_impl.cpu_kernel() != "compiled":
+        pytest.skip(f"compiled CPU kernel unavailable: {cpu_impl.status().reason}")
+    stats = WorkerStats()
+    layer, impl, _ = sparse_impl({"decode": 1e-10, "prefill": 1e-10}, stats)
+    impl._sa_writer = None
+    launches = []
+    for seed in (0, 1, 1):  # two caches; the second one twice (its launch is kept)
+        query, key, value, kv_cache, md = build_batch(torch.Generator().manual_seed(seed), q_lens=[1, 1], kv_lens=[40, 9])
+        n = md.num_actual_tokens
+        compat.write_kv_cache(key[:n], value[:n], kv_cache, md.slot_mapping[:n], head_size=D, backend="CPU_ATTN",
+                              isa="vec")  # vLLM's own write, before the impl's forward
+        output = torch.zeros_like(query)
+        impl.forward(layer, query, key, value, kv_cache, md, output)
+        torch.testing.assert_close(output[:n], dense(query[:n], kv_cache, md), rtol=1e-5, atol=1e-5)
+        launches.append(impl._sa_launch[1])
+    assert isinstance(launches[0], cpu_impl.LayerLaunch) and launches[0] is not launches[1]
+    # build_batch makes a new cache tensor each time: the third step's is another allocation of the same
+    # geometry; its launch is rebuilt unless the allocator handed back the same memory
+    assert len(kernel_calls) == 3 and layer.impl.forward_calls == 0
+    counts = stats.snapshot()["phases"]["decode"]
+    assert counts["launches"] == 3 and counts["visited"] > 0

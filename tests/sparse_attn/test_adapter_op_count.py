@@ -211,6 +211,21 @@ def test_cpu_decode_layer_launches(kernel, monkeypatch):
     assert plan_ops <= PLAN_BUDGET, counts[0].torch_ops
 
 
+def test_cpu_decode_layer_where_vllm_writes_the_cache_is_the_kernel_alone(monkeypatch):
+    """vLLM 0.29+ writes the cache itself: a CPU decode layer served by the compiled kernel is then the
+    layer's prepared launch (``kernels.layer_launch``): the library call and no torch op, the counts
+    added by the library; the step's plan (its lambdas and batch part) is built by the first layer."""
+    def vllm_writes(q_lens, kv_lens, stats=None):
+        impl, layer, args = _cpu_layer(q_lens, kv_lens, stats)
+        impl._sa_writer = None
+        return impl, layer, args
+
+    counts = _step(functools.partial(vllm_writes, [1, 1, 1], [40, 9, 63]), "compiled", monkeypatch)
+    plan_ops = _check_step("compiled decode, vLLM writes", counts, 1, kernels=1)
+    assert all(c.torch_ops == [] and c.writer_ops == [] for c in counts[1:])
+    assert plan_ops <= PLAN_BUDGET, counts[0].torch_ops
+
+
 def test_mixed_step_layer_launches(flashinfer_builder, monkeypatch):
     pytest.importorskip("triton")
     counts = _step(_gpu_mixed_layer, "triton", monkeypatch)

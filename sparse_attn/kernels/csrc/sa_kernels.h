@@ -53,7 +53,7 @@ inline void qk_block(const float* A, int lda, const float* const* kp, int64_t ld
     for (int p = 0; p < NP; ++p) b[p] = load16(kp[p] + d * ldb);
     if (pf)
 #pragma GCC unroll 4
-      for (int p = 0; p < NP; ++p) __builtin_prefetch(pf + d * ldb + PANEL * p);
+      for (int p = 0; p < NP; ++p) __builtin_prefetch(pf + d * ldb + PANEL * p, 0, 2);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const V16 a = set16(A[r * lda + d]);
@@ -94,11 +94,12 @@ static void qk_rows(int R, int NP, const float* A, int lda, const float* const* 
 
 // S[r][0 : 16 npanel] = (Q K^T)[r] for the M rows of Q (D apart) and the tile's npanel panels; S rows
 // TILE_K apart.  Blocks of the ISA's shape (above).  pf (or null): where the next tile's K starts
-// (same ldb); the block that covers the whole tile prefetches it, one 64-byte panel row per panel
-// and d, while this tile's rows stream.  Decode reads each K row once, and the hardware prefetcher
-// follows neither the dim-major K of a page (a tile is 256 bytes of each 512-byte dim row of a
-// 128-token page) nor the jump to the next block: raw decode calls, 1 thread, 9/3/64 heads,
-// 4 x 8k 3.05 -> 2.61 ms, 16 x 2k 2.92 -> 2.42 ms (fp32, AVX-512).
+// (same ldb); the block that covers the whole tile prefetches it into L2, one 64-byte panel row per
+// panel and d, while this tile's rows stream.  Decode reads each K row once, and the hardware
+// prefetcher follows neither the dim-major K of a page (a tile is 256 bytes of each 512-byte dim
+// row of a 128-token page) nor the jump to the next block: raw decode calls, 1 thread, 9/3/64
+// heads, fp32, AVX-512: 4 x 8k 3.05 -> 2.61 ms, 16 x 2k 2.92 -> 2.42 ms into L1; into L2 (more
+// misses in flight) 8 x 16k (200 MB, from DRAM) 21.1 -> 19.8 ms.  Two tiles ahead gained nothing.
 inline void qk_tile(int M, const float* Q, int D, const float* const* kp, int npanel, int64_t ldb, float* S,
                     const float* pf = nullptr) {
   if (M < MR && !DECODE_ROWS_TOGETHER && npanel == TILE_K / PANEL) {  // decode, one row at a time

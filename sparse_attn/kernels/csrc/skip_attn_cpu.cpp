@@ -43,7 +43,10 @@ using namespace sa;
 
 namespace {
 
-constexpr int kAbiVersion = 6;
+constexpr int kAbiVersion = 7;
+// SaCall.counters' slots (kernels.batch.COUNTER_SLOTS; checked at load through sa_layout).
+constexpr int kSlotSkipped = 0, kSlotVisited = 1, kSlotLaunches = 2, kSlotDenseLaunches = 4, kSlotVTested = 5,
+              kSlotVSkipped = 6;
 // sa_forward's return codes (cpu_impl.forward turns each into an error).
 constexpr int kOk = 0, kIsaMissing = 1, kBadCall = 2, kOutOfMemory = 3, kBadBlockId = 4, kBadBlockTable = 5;
 constexpr int TILE_Q = 64;  // checked against _common.TILE_Q at load (sa_layout)
@@ -111,11 +114,14 @@ struct SaCall {
   const float* sink_logits;  // [num_q_heads] learned sink logits, or null
   int64_t* skipped;         // [num_counts, num_q_heads], written (zeroed first)
   int64_t* visited;         // [num_q_heads], written (the count is the same for every head)
-  // [2], written, or null: the (item, tile) pairs tested under the serving lambda (lam > 0), and
-  // those of them no query head of the item kept, whose V was therefore not read.  An item packs
-  // the query heads of one KV head, so this is the V-tile fraction skipped (the union over the
-  // group), which the per-head counts only bound from above.  (ABI 6)
-  int64_t* v_counts;
+  // The serving phase counter (kernels.batch.COUNTER_SLOTS), added to, or null (ABI 7).  When set, the
+  // launch counts under its own lambdas (count_lam = lam, num_counts = 1: skipped / visited may then be
+  // null) and adds, where some sequence with query rows has lambda > 0: the tiles its heads skipped and
+  // visited, the (item, tile) pairs tested and those no query head of the item kept, whose V was
+  // therefore not read (an item packs the query heads of one KV head, so this is the V-tile fraction
+  // skipped, the union over the group, which the per-head counts only bound from above), and one sparse
+  // launch; else one dense launch.  What the Triton kernels add with atomics: no host op per launch.
+  int64_t* counters;
 };
 }
 
@@ -126,7 +132,7 @@ struct SaCall {
   X(window) X(split_tiles) X(num_threads) X(num_counts) X(bt_is64) X(sl_is64) X(qsl_is64) X(num_blocks)     \
   X(bt_cols) X(scale) X(soft_cap) X(v_scale) X(q) X(q_st) X(q_sh) X(q_sd) X(out) X(o_st) X(o_sh) X(o_sd)    \
   X(k) X(k_sb) X(k_st) X(k_sh) X(k_sd) X(v) X(v_sb) X(v_st) X(v_sh) X(v_sd) X(bt) X(bt_s0) X(bt_s1)         \
-  X(seq_lens) X(qsl) X(sl_s) X(qsl_s) X(lam) X(count_lam) X(sink_logits) X(skipped) X(visited) X(v_counts)
+  X(seq_lens) X(qsl) X(sl_s) X(qsl_s) X(lam) X(count_lam) X(sink_logits) X(skipped) X(visited) X(counters)
 
 namespace {
 
@@ -157,7 +163,7 @@ struct Scratch {
 struct Counts {
   std::vector<int64_t> skipped;
   int64_t visited = 0;
-  int64_t v_tested = 0, v_skipped = 0;  // SaCall.v_counts
+  int64_t v_tested = 0, v_skipped = 0;  // for SaCall.counters
 };
 
 inline int64_t block_at(const SaCall& c, int s, int64_t col) {
@@ -271,7 +277,7 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
   // serving's achieved sparsity and calibration's counts share that denominator (_common).
   bool count_visited = false;
   for (int j = 0; j < c.num_counts; ++j) count_visited |= c.count_lam[int64_t(j) * S + s] > 0.0f;
-  const bool count_v = test && c.v_counts && lam_s > 0.0f;
+  const bool count_v = test && c.counters && lam_s > 0.0f;
   const KVT* kh = static_cast<const KVT*>(c.k) + int64_t(kvh) * c.k_sh;  // this KV head's K and V
   const KVT* vh = static_cast<const KVT*>(c.v) + int64_t(kvh) * c.v_sh;
   const float* kpanel[TILE_K / PANEL];
@@ -449,6 +455,25 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
   PROF(P_OUT);
 }
 
+// SaCall.counters: one launch's counts under its lambdas (those of sequences with lambda > 0 and query
+// rows), and one sparse launch, where there is such a sequence; else one dense launch.
+void add_counters(const SaCall& c, const std::vector<int64_t>& info, int64_t skipped, int64_t visited, int64_t v_tested,
+                  int64_t v_skipped) {
+  if (!c.counters) return;
+  const int S = c.num_seqs;
+  bool sparse = false;
+  for (int s = 0; s < S && !sparse; ++s) sparse = c.lam && c.lam[s] > 0.0f && info[2 * S + s] > 0;
+  if (!sparse) {
+    c.counters[kSlotDenseLaunches] += 1;
+    return;
+  }
+  c.counters[kSlotSkipped] += skipped;
+  c.counters[kSlotVisited] += visited;
+  c.counters[kSlotVTested] += v_tested;
+  c.counters[kSlotVSkipped] += v_skipped;
+  c.counters[kSlotLaunches] += 1;
+}
+
 inline int64_t index_at(const void* p, int is64, int64_t i) {
   return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<const int32_t*>(p)[i];
 }
@@ -480,7 +505,6 @@ int run(const SaCall& c) {
   // saves the two fills per layer and step that zeroed them on the Python side.
   if (c.skipped) std::fill(c.skipped, c.skipped + int64_t(c.num_counts) * c.num_q_heads, int64_t(0));
   if (c.visited) std::fill(c.visited, c.visited + c.num_q_heads, int64_t(0));
-  if (c.v_counts) c.v_counts[0] = c.v_counts[1] = 0;
   std::vector<Item> items;
   for (int s = 0; s < S; ++s) {
     const int64_t kv = info[s], ql = info[2 * S + s];
@@ -498,7 +522,10 @@ int run(const SaCall& c) {
         }
     }
   }
-  if (items.empty()) return kOk;
+  if (items.empty()) {
+    add_counters(c, info, 0, 0, 0, 0);
+    return kOk;
+  }
   // Longest first, then handed out one at a time: causal prefills make items very unequal.
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   bool test = c.num_counts > 0;
@@ -557,15 +584,19 @@ int run(const SaCall& c) {
     }
   }
   if (status.load()) return status.load();  // kOutOfMemory
+  int64_t skipped = 0, visited = 0, v_tested = 0, v_skipped = 0;  // for counters: serving's one lambda
   for (const Counts& cnt : counts) {
-    for (size_t i = 0; i < cnt.skipped.size(); ++i) c.skipped[i] += cnt.skipped[i];
+    for (size_t i = 0; i < cnt.skipped.size(); ++i) {
+      if (c.skipped) c.skipped[i] += cnt.skipped[i];
+      if (i < size_t(c.num_q_heads)) skipped += cnt.skipped[i];
+    }
     if (c.visited)
       for (int h = 0; h < c.num_q_heads; ++h) c.visited[h] += cnt.visited;
-    if (c.v_counts) {
-      c.v_counts[0] += cnt.v_tested;
-      c.v_counts[1] += cnt.v_skipped;
-    }
+    visited += cnt.visited * c.num_q_heads;
+    v_tested += cnt.v_tested;
+    v_skipped += cnt.v_skipped;
   }
+  add_counters(c, info, skipped, visited, v_tested, v_skipped);
   return kOk;
 }
 
@@ -617,15 +648,18 @@ int sa_forward(const SaCall* c) {
   }
 }
 
-// The contract with cpu_impl._Call and _common, checked by the loader: writes abi,
-// sizeof(SaCall), the field count, TILE_Q, TILE_K, then each field's offset (declaration
-// order) into out[0 .. cap) and returns how many values the full layout has.
+// The contract with cpu_build.SaCall, _common and kernels.batch.COUNTER_SLOTS, checked by the loader:
+// writes abi, sizeof(SaCall), the field count, TILE_Q, TILE_K, each field's offset (declaration
+// order), then the counters' slots (skipped, visited, launches, dense launches, V tiles tested,
+// V tiles unread) into out[0 .. cap) and returns how many values the full layout has.
 int sa_layout(int64_t* out, int cap) {
   std::vector<int64_t> v{kAbiVersion, int64_t(sizeof(SaCall)), 0, TILE_Q, TILE_K};
 #define SA_OFFSET(f) v.push_back(int64_t(offsetof(SaCall, f)));
   SA_CALL_FIELDS(SA_OFFSET)
 #undef SA_OFFSET
   v[2] = int64_t(v.size()) - 5;
+  for (int slot : {kSlotSkipped, kSlotVisited, kSlotLaunches, kSlotDenseLaunches, kSlotVTested, kSlotVSkipped})
+    v.push_back(slot);
   for (int i = 0; i < cap && i < int(v.size()); ++i) out[i] = v[i];
   return int(v.size());
 }
