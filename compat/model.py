@@ -30,7 +30,9 @@ import torch
 
 from compat import graphs, patches
 from compat.batch import _CAPTURE_FAILED_ATTR, _CAPTURED_ATTR, BatchDescription, PhaseRows, describe_batch  # noqa: F401 - re-exported
+from compat.envs import CPU_BACKENDS
 from compat.errors import CompatError
+from compat.layouts import CPU_ISAS_DIM_MAJOR_K
 
 logger = logging.getLogger("compat")
 
@@ -250,6 +252,44 @@ def layer_cpu_isa(layer: Any) -> str | None:
     return isa if isa is not None else getattr(layer.impl, "isa", None)
 
 
+def cpu_page_isa(layer: Any, info: LayerInfo) -> tuple[str | None, str]:
+    """The CPU attention ISA whose page layout ``layer``'s cache will have, and what decided it.
+
+    The one already chosen (:func:`layer_cpu_isa`), else vLLM's own choice computed now: from 0.32 the
+    metadata builder picks it when the KV cache is initialised, after the ``load_model`` hook that installs
+    layers, with ``cpu_attn._get_attn_isa(dtype, block_size[, head_size[, kv_cache_dtype]])`` (its
+    arguments vary by release; read from each release's sources) on the loading worker's engine config
+    (``compat.worker.loading_engine_config``); ``None`` where neither answers (then the first forward's
+    views decide)."""
+    isa = layer_cpu_isa(layer)
+    if isa is not None:
+        return isa, "the layer's isa"
+    import inspect
+
+    from compat.worker import loading_engine_config
+
+    config = loading_engine_config()
+    if config is None:
+        return None, "no engine config at hand"
+    try:
+        from vllm.v1.attention.backends import cpu_attn
+
+        choose = cpu_attn._get_attn_isa
+        dtype, block_size = config.model_config.dtype, config.cache_config.block_size
+        kv_dtype = getattr(config.cache_config, "cache_dtype", None)
+        params = inspect.signature(choose).parameters
+    except Exception as exc:  # noqa: BLE001 - an optional capability of some releases, read only
+        return None, f"vLLM's ISA choice unavailable ({type(exc).__name__})"
+    if dtype is None or block_size is None:
+        return None, "no engine config yet"
+    kwargs = {"head_size": info.head_size, "kv_cache_dtype": kv_dtype}
+    try:
+        isa = choose(dtype, block_size, **{k: v for k, v in kwargs.items() if k in params})
+    except Exception as exc:  # noqa: BLE001 - vLLM refuses the config itself (fp8 on a CPU without AVX-512)
+        return None, f"vLLM's ISA choice raised {type(exc).__name__}: {exc}"
+    return isa, f"cpu_attn._get_attn_isa({dtype}, block size {block_size}) at install"
+
+
 def prepare_layer(layer: Any, info: LayerInfo) -> LayerInfo:
     """Prepare ``layer`` to be served sparse; returns ``info``, or a copy whose
     ``compat_refusal`` says why it must stay native (then no launch fails in the
@@ -267,6 +307,14 @@ def prepare_layer(layer: Any, info: LayerInfo) -> LayerInfo:
       where the backend keeps batch fields only there (``needs_batch_capture``) a capture
       that cannot attach keeps the layer native.
     """
+    if info.backend in CPU_BACKENDS:
+        isa, how = cpu_page_isa(layer, info)
+        if isa is not None and isa not in CPU_ISAS_DIM_MAJOR_K:
+            # Refused here, not at the first forward: a view of such a page raises inside the engine.
+            return dataclasses.replace(info, compat_refusal=(
+                f"CPU attention ISA {isa!r} ({how}) packs its cache pages in a layout compat does not read "
+                f"(it reads {', '.join(sorted(CPU_ISAS_DIM_MAJOR_K))}: vLLM picks 'amx' for bfloat16 on a CPU with "
+                f"AMX); fix: serve the model in float32 to run it sparse"))
     backend_cls = getattr(layer, "attn_backend", None)
     # Every backend's builder input is kept: it alone holds vLLM's host copies of the batch
     # lengths (query_start_loc_cpu...), which spare the eager path its device reads. Only

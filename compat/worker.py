@@ -51,13 +51,13 @@ _callbacks: list[Callable[[Any], None]] = []
 _rpcs: dict[str, Callable[..., Any]] = {}
 #: ``hooked``: the class path patched in this process; ``loaded``: a hooked ``load_model``
 #: finished here; ``checked``: the first ``execute_model`` looked at ``loaded``.
-_state: dict[str, Any] = {"hooked": None, "loaded": False, "checked": False, "undo_registered": False}
+_state: dict[str, Any] = {"hooked": None, "loaded": False, "checked": False, "undo_registered": False, "loading": None}
 
 
 def _forget_hook() -> None:
     _callbacks.clear()
     _rpcs.clear()
-    _state.update(hooked=None, loaded=False, checked=False, undo_registered=False)
+    _state.update(hooked=None, loaded=False, checked=False, undo_registered=False, loading=None)
 
 
 def _hook_class(path: str, cls: type) -> None:
@@ -73,8 +73,12 @@ def _hook_class(path: str, cls: type) -> None:
     def load_model(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         _state["loaded"] = True
-        for callback in list(_callbacks):
-            callback(self)
+        _state["loading"] = self
+        try:
+            for callback in list(_callbacks):
+                callback(self)
+        finally:
+            _state["loading"] = None
         return result
 
     patches.set_class_attr(cls, "load_model", load_model, scope="hook")
@@ -181,6 +185,12 @@ def add_worker_rpc(name: str, fn: Callable[..., Any]) -> None:
         module_name, _, attr = _state["hooked"].partition(":")
         _add_method(_state["hooked"], getattr(sys.modules[module_name], attr), name, fn)
     _rpcs[name] = fn
+
+
+def loading_engine_config() -> Any:
+    """The engine config (``vllm_config``) of the worker whose model-load callbacks are running, else None:
+    vLLM sets no current config around ``load_model``'s end, where layers are installed."""
+    return getattr(_state.get("loading"), "vllm_config", None)
 
 
 def hook_state() -> dict[str, Any]:

@@ -1,0 +1,60 @@
+"""compat.model.cpu_page_isa against vLLM's own CPU attention ISA choice: a layer whose pages vLLM will pack
+for an ISA compat does not read (``amx``: bfloat16 on a CPU with AMX) stays native from install, instead of
+failing at the first request inside the engine."""
+
+from __future__ import annotations
+
+import importlib.util
+import types
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm"),
+]
+
+
+def _loading(monkeypatch, dtype, block_size=128):
+    from compat import worker
+
+    config = types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=dtype),
+                                   cache_config=types.SimpleNamespace(block_size=block_size, cache_dtype="auto"))
+    monkeypatch.setitem(worker._state, "loading", types.SimpleNamespace(vllm_config=config))
+
+
+def _layer_and_info():
+    from compat import model as cmodel
+
+    info = cmodel.LayerInfo(name="model.layers.0.self_attn.attn", owner_class="LlamaAttention", backend="CPU_ATTN",
+                            num_heads=9, num_kv_heads=3, head_size=64, scale=0.125, cpu_isa=None,
+                            features=cmodel.LayerFeatures())
+    return types.SimpleNamespace(impl=types.SimpleNamespace()), info
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cpu_page_isa_is_vllms_own_choice(monkeypatch, dtype):
+    cpu_attn = pytest.importorskip("vllm.v1.attention.backends.cpu_attn")
+    from compat import model as cmodel
+
+    _loading(monkeypatch, dtype)
+    layer, info = _layer_and_info()
+    isa, how = cmodel.cpu_page_isa(layer, info)
+    assert isa == cpu_attn._get_attn_isa(dtype, 128, 64) and "at install" in how
+    layer.isa = "vec"  # once vLLM has chosen, its choice is read as is
+    assert cmodel.cpu_page_isa(layer, info) == ("vec", "the layer's isa")
+
+
+def test_a_layer_vllm_packs_for_amx_stays_native(monkeypatch):
+    pytest.importorskip("vllm.v1.attention.backends.cpu_attn")
+    from compat import model as cmodel
+
+    if not torch.cpu._is_amx_tile_supported():
+        pytest.skip("this CPU has no AMX: vLLM packs bfloat16 pages for vec here")
+    _loading(monkeypatch, torch.bfloat16)
+    layer, info = _layer_and_info()
+    refused = cmodel.prepare_layer(layer, info)
+    assert "'amx'" in refused.compat_refusal and "float32" in refused.compat_refusal
+    _loading(monkeypatch, torch.float32)
+    assert cmodel.prepare_layer(*_layer_and_info()).compat_refusal is None
