@@ -73,6 +73,31 @@ def skip_softmax_section(prefill_ab, decode_ab, targets: tuple[float, float]) ->
                                          producer_version="0")
 
 
+def model_sections(base: Path, targets: tuple[float, float]) -> tuple[dict, dict]:
+    """``(skipping off, at target)`` from the checkpoint's own calibrated section (its target classes, its curves,
+    the sliding-window layers' included), re-targeted at ``targets``; skipping off is every curve's ``a`` at 1e-9."""
+    from sparse_attn.calibration.export import build_sparse_attention_config
+    from sparse_attn.config.io import read_config_json
+    from sparse_attn.config.parse import parse_sparse_attention_config
+    from sparse_attn.config.schema import PhaseFit, SECTION_KEY
+
+    raw = read_config_json(base).get(SECTION_KEY)
+    if raw is None:
+        raise SystemExit(f"--section model: {base / 'config.json'} has no {SECTION_KEY}; calibrate it first "
+                         f"(sparse-attn calibrate CKPT --update_checkpoint_config) or pass --prefill-ab / --decode-ab")
+    group = parse_sparse_attention_config(raw, source=str(base / "config.json")).group
+    want = {"prefill": targets[0], "decode": targets[1]}
+
+    def section(off: bool) -> dict:
+        def curves(fits):
+            return None if fits is None else {p: PhaseFit(1e-9, 1.0) if off else f for p, f in fits.items()}
+        return build_sparse_attention_config(curves(group.fits), {p: want[p] for p in group.fits},
+                                             target_classes=list(group.targets), ignore=list(group.ignore) or None,
+                                             producer_name="bench_serving", producer_version="0",
+                                             window_fits=curves(group.window_fits))
+    return section(True), section(False)
+
+
 def with_section(base: Path, dest: Path, section: dict | None) -> Path:
     if dest.exists():
         shutil.rmtree(dest)
@@ -395,6 +420,11 @@ def main() -> int:
     ap.add_argument("--decode-target", type=float, default=0.7, help="decode target_sparsity of plugin-sparse (default 0.7)")
     ap.add_argument("--prefill-ab", type=float, nargs=2, default=DEFAULT_PREFILL_AB, metavar=("A", "B"))
     ap.add_argument("--decode-ab", type=float, nargs=2, default=DEFAULT_DECODE_AB, metavar=("A", "B"))
+    ap.add_argument("--section", choices=("ab", "model"), default="ab",
+                    help="plugin-sparse's curves: ab (default), one curve from --prefill-ab / --decode-ab (Llama "
+                         "targets); model, the --model checkpoint's own calibrated sparse_attention_config (its "
+                         "target classes and curves, the sliding-window layers' too), re-targeted at "
+                         "--prefill-target / --decode-target")
     ap.add_argument("--calibrate", action="store_true",
                     help="fit a/b first with `sparse-attn calibrate` on prompts like the benchmark's (one more engine)")
     ap.add_argument("--calib-samples", type=int, default=3, help="prompts for --calibrate (default 3)")
@@ -450,11 +480,12 @@ def main() -> int:
     prefill_ab, decode_ab, cal = tuple(args.prefill_ab), tuple(args.decode_ab), None
     if args.calibrate:
         prefill_ab, decode_ab, cal = calibrate(args, base, workdir, env)
-    sections = {
-        "native": None,
-        "plugin-dense": skip_softmax_section((1e-9, 1.0), (1e-9, 1.0), (0.5, 0.5)),
-        "plugin-sparse": skip_softmax_section(prefill_ab, decode_ab, (args.prefill_target, args.decode_target)),
-    }
+    if args.section == "model":  # the checkpoint's own curves (a model with windowed layers has two)
+        dense, sparse = model_sections(base, (args.prefill_target, args.decode_target))
+    else:
+        dense = skip_softmax_section((1e-9, 1.0), (1e-9, 1.0), (0.5, 0.5))
+        sparse = skip_softmax_section(prefill_ab, decode_ab, (args.prefill_target, args.decode_target))
+    sections = {"native": None, "plugin-dense": dense, "plugin-sparse": sparse}
     configs = [(name, sections[name], REPO) for name in args.configs.split(",")]
     if args.baseline_tree:
         configs += [(f"{name}@baseline", sections[name], Path(args.baseline_tree).resolve())
@@ -734,8 +765,10 @@ def steps_report(args, results: dict, workloads, base: Path, started: float, loa
         "per engine at its end: " + ", ".join(f"{n} {'/'.join(f'{v:.1f}' for v in r['load_during'])}" for n, r in results.items()) + ".",
         f"Model: {_describe_model(args, base)}, dtype {args.dtype}. M={args.decode_tokens} decode tokens per sequence, "
         f"{args.repeats} repeats" + (f" x {args.rounds} rounds (engines started round-robin)" if args.rounds > 1 else "")
-        + f" (prefill: the best; decode: the median step), {args.prompts} prompts; at target: prefill {args.prefill_target} "
-        f"(a/b {prefill_ab[0]:.4g}/{prefill_ab[1]:.4g}), decode {args.decode_target} (a/b {decode_ab[0]:.4g}/{decode_ab[1]:.4g})"
+        + f" (prefill: the best; decode: the median step), {args.prompts} prompts; at target: prefill {args.prefill_target}"
+        + (f", decode {args.decode_target} on the checkpoint's own calibrated curves" if args.section == "model" else
+           f" (a/b {prefill_ab[0]:.4g}/{prefill_ab[1]:.4g}), decode {args.decode_target} (a/b {decode_ab[0]:.4g}/"
+           f"{decode_ab[1]:.4g})")
         + (", fitted by --calibrate in this run" if cal else "") + f". Total wall time {time.time() - started:.0f} s.",
         "", "Timing: vLLM's step loop; prefill = the steps until every sequence has its first token, decode = every later "
         "step (pure decode), from the median step of every repeat pooled (times the steps; prefill: the least disturbed "

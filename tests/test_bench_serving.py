@@ -105,3 +105,33 @@ def test_prefill_stays_the_least_disturbed_repeat_even_where_decode_steps_are_re
             {"window": {"prefill": [2.5, 0.9, 2]}, "decode_steps": [(0.1, 0.03)], "decoded": 1, "counts": {}}]
     t = bench.phase_timings(runs, "prefill")
     assert (t["wall"], t["attn"]) == (2.5, 0.9)
+
+
+def test_model_sections_keep_the_checkpoints_curves_and_targets_and_switch_skipping_off(tmp_path):
+    """--section model: plugin-sparse serves the checkpoint's own curves (both kinds, its target classes) at the
+    run's targets; plugin-dense the same classes with every a at 1e-9 (lambda ~ 0: nothing skipped)."""
+    import json
+
+    from sparse_attn.config.parse import parse_sparse_attention_config
+
+    section = {"config_groups": {"group_0": {
+        "algorithm": "skip_softmax", "targets": ["Gemma3Attention"],
+        "threshold_scale_factor": {"formula": "a * exp(b * target_sparsity)", "prefill": {"a": 4.0, "b": 9.0},
+                                   "decode": {"a": 0.006, "b": 9.1}},
+        "sliding_window_threshold_scale_factor": {"formula": "a * exp(b * target_sparsity)",
+                                                  "prefill": {"a": 5.4, "b": 9.2}, "decode": {"a": 0.09, "b": 10.1}},
+        "target_sparsity": {"prefill": 0.5, "decode": 0.5}}}}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3_text", "sparse_attention_config": section}))
+    dense, sparse = bench.model_sections(tmp_path, (0.7, 0.6))
+    got = parse_sparse_attention_config(sparse).group
+    assert got.targets == ("Gemma3Attention",) and dict(got.target_sparsity) == {"prefill": 0.7, "decode": 0.6}
+    assert (got.fits["prefill"].a, got.fits["decode"].b, got.window_fits["decode"].a) == (4.0, 9.1, 0.09)
+    off = parse_sparse_attention_config(dense).group
+    assert off.targets == ("Gemma3Attention",)
+    assert {f.a for f in (*off.fits.values(), *off.window_fits.values())} == {1e-9}
+
+
+def test_model_sections_refuse_a_checkpoint_without_a_section(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(SystemExit, match="has no sparse_attention_config; calibrate it first"):
+        bench.model_sections(tmp_path, (0.5, 0.5))
