@@ -104,9 +104,10 @@ def _check_plot(args) -> tuple[Path | None, list[Path]]:
                        f"--plot ./calibration, or leave --plot out to write no plots")
     if not directory.is_dir() or not os.access(directory, os.W_OK):
         raise CliError(f"--plot {args.plot}: directory {directory} does not exist or is not writable")
-    # `--plot fit.png` means fit_prefill.png, not fit.png_prefill.png: the PNG suffix is the writer's.
-    stem = prefix.name[:-4] if prefix.name.lower().endswith(".png") else prefix.name
-    return prefix, [prefix.parent / f"{stem}_{phase}.png" for phase in PHASES]
+    # `--plot fit.png` means fit_prefill.png, not fit.png_prefill.png: the PNG suffix is the writer's. The
+    # returned prefix is the one the writer composes its names from (it once wrote fit.png_prefill.png).
+    stem = prefix.parent / (prefix.name[:-4] if prefix.name.lower().endswith(".png") else prefix.name)
+    return stem, [stem.parent / f"{stem.name}_{phase}.png" for phase in PHASES]
 
 
 _ENGINE_KWARGS_EXAMPLE = '{"kv_cache_memory_bytes": 1073741824}'

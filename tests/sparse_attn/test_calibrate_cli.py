@@ -192,8 +192,10 @@ def test_plot_names_one_png_per_phase_from_the_path_given(tmp_path, given, writt
 
     from sparse_attn.calibration.cli import _check_plot
 
-    _, paths = _check_plot(Namespace(plot=str(tmp_path / given)))
+    prefix, paths = _check_plot(Namespace(plot=str(tmp_path / given)))
     assert paths == [tmp_path / name for name in written]
+    # the writer composes its file names from the returned prefix (calibrate's end: PREFIX_<phase>.png)
+    assert [prefix.parent / f"{prefix.name}_{phase}.png" for phase in ("prefill", "decode")] == paths
 
 
 def test_plot_naming_a_device_is_refused_before_anything_is_written(ckpt, tmp_path, capsys):
