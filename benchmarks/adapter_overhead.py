@@ -1,11 +1,12 @@
 """What the adapter costs around the compiled CPU kernel on one decode layer, without vLLM.
 
-One serving decode layer (``SparseAttentionMixin.forward`` on CPU_ATTN-shaped metadata: the cache write the
-forward owns, the K/V views, the step's plan, the kernel launch and the counts) against the kernel call alone on
-the same batch (``paged_attention(check=False)`` with the step's lambdas), for a SmolLM2-135M-shaped layer (9 / 3
-heads, head 64, vLLM's CPU page of 128). The difference is the per-layer price of Python and torch ops that every
-decode step pays once per layer (30 layers on SmolLM2): what separates our dense decode from vLLM's native one at
-short contexts, where the kernel itself is short. Best of interleaved repeats, one thread.
+One serving decode layer (``SparseAttentionMixin.forward`` on CPU_ATTN-shaped metadata: the cache write where the
+forward owns it, the step's plan, the layer's prepared launch and the counts) against the library call alone on the
+same batch (the prepared launch, ``kernels.layer_launch``, run directly) and the general entry point
+(``paged_attention(check=False)``), for a SmolLM2-135M-shaped layer (9 / 3 heads, head 64, vLLM's CPU page of 128).
+The difference is the per-layer price of Python and torch ops that every decode step pays once per layer (30
+layers on SmolLM2): what separated our dense decode from vLLM's native one at short contexts, where the kernel
+itself is short. Best of interleaved repeats, one thread.
 
     python benchmarks/adapter_overhead.py [--kv 2048] [--seqs 1] [--repeats 300]
 """
