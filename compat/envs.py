@@ -41,6 +41,8 @@ LAYOUT_NAMES: tuple[str, ...] = tuple(layout.value for layout in KVLayout)
 WRITER_CHOICES: tuple[str, ...] = ("auto", "vllm", "adapter")
 #: ``SPARSE_ATTN_CUDAGRAPH`` values (``compat.graphs.ENV_CAPS``).
 CUDAGRAPH_CHOICES: tuple[str, ...] = ("auto", "decode", "never")
+#: ``SPARSE_ATTN_CPU_PAGE_ISA`` values (``compat.model.readable_cpu_pages``).
+CPU_PAGE_ISA_CHOICES: tuple[str, ...] = ("auto", "vllm")
 #: Spellings ``parse_flag`` accepts.
 FLAG_TRUE: tuple[str, ...] = ("1", "true", "yes", "on")
 FLAG_FALSE: tuple[str, ...] = ("0", "false", "no", "off")
@@ -207,6 +209,18 @@ COMPAT_VARIABLES: tuple[EnvVar, ...] = (
         ),
         parse=choice_parser(CUDAGRAPH_CHOICES),
         choices=", ".join(CUDAGRAPH_CHOICES),
+    ),
+    EnvVar(
+        name="SPARSE_ATTN_CPU_PAGE_ISA",
+        default="auto",
+        doc=(
+            "CPU layers served sparse whose pages vLLM would pack for an ISA compat cannot read (`amx`: "
+            "bfloat16 on a CPU with AMX): `auto` makes their metadata builder pick vLLM's `vec` / `vec16` "
+            "pages instead (where the release lets compat choose: the builder picks the ISA, 0.32+), so "
+            "they run sparse; `vllm` keeps vLLM's choice, and such layers stay native."
+        ),
+        parse=choice_parser(CPU_PAGE_ISA_CHOICES),
+        choices=", ".join(CPU_PAGE_ISA_CHOICES),
     ),
     EnvVar(
         name="SPARSE_ATTN_CPU_OPS_MODULE",

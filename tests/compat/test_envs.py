@@ -134,7 +134,7 @@ def test_compat_declares_only_the_variables_that_steer_its_answers_about_vllm():
 
     own = [var.name for var in envs.COMPAT_VARIABLES]
     assert own == ["SPARSE_ATTN_KV_LAYOUT", "SPARSE_ATTN_CACHE_WRITER", "SPARSE_ATTN_CUDAGRAPH",
-                   "SPARSE_ATTN_CPU_OPS_MODULE"]
+                   "SPARSE_ATTN_CPU_PAGE_ISA", "SPARSE_ATTN_CPU_OPS_MODULE"]
     product = [var.name for var in settings.VARIABLES]
     assert not set(own) & set(product)
     assert list(envs.variables()) == own + product

@@ -2,7 +2,7 @@
 report tokens and the sparse-attn stats RPC of each, as JSON.
 
     python tests/engine/feature_driver.py OUT.json CKPT [CKPT ...] [--kv-cache-dtype fp8] [--max-tokens 16]
-        [--prompt-len 300]
+        [--prompt-len 300] [--dtype bfloat16]
 
 One process for several engines saves the vLLM import per engine (each engine core is its own
 process, so the engines do not share state). A script, not a test: vLLM's engine processes need
@@ -35,10 +35,10 @@ def _chosen(step: dict, token: int) -> float:
     return float(step[token].logprob)
 
 
-def serve(ckpt: str, kv_cache_dtype: str, max_tokens: int, prompt_len: int) -> dict:
+def serve(ckpt: str, kv_cache_dtype: str, max_tokens: int, prompt_len: int, dtype: str = "float32") -> dict:
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=ckpt, dtype="float32", max_model_len=1024, enforce_eager=True, kv_cache_memory_bytes=128 << 20,
+    llm = LLM(model=ckpt, dtype=dtype, max_model_len=1024, enforce_eager=True, kv_cache_memory_bytes=128 << 20,
               enable_prefix_caching=False, seed=0, kv_cache_dtype=kv_cache_dtype)
     vocab = llm.llm_engine.model_config.get_vocab_size()
     # logprobs of every prompt token (prefill attention at every position) and of each generated one
@@ -69,11 +69,12 @@ def main() -> int:
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=300, help="longest prompt, tokens (> the windows tested)")
+    ap.add_argument("--dtype", default="float32", help="the model's dtype in vLLM")
     args = ap.parse_args()
     reports = {}
     for ckpt in args.checkpoints:
         try:
-            reports[ckpt] = serve(ckpt, args.kv_cache_dtype, args.max_tokens, args.prompt_len)
+            reports[ckpt] = serve(ckpt, args.kv_cache_dtype, args.max_tokens, args.prompt_len, args.dtype)
         except Exception as exc:  # noqa: BLE001 - e.g. vLLM refusing the model on this machine: the test reads why
             reports[ckpt] = {"error": f"{type(exc).__name__}: {exc}"}
     with open(args.out, "w") as f:
