@@ -814,15 +814,15 @@ def _isa() -> str:
 def _describe_model(args, base: Path) -> str:
     if not args.model:
         return (f"tiny structured Llama, {args.layers} layers, hidden {args.hidden}, {args.heads} heads / {args.kv_heads} "
-                f"KV heads, head_dim {args.head_dim}, fp32")
+                f"KV heads, head_dim {args.head_dim}, served in {args.dtype}")
     cfg = json.loads((base / "config.json").read_text())
     heads = cfg.get("num_attention_heads")
     return (f"{base.name} ({cfg.get('model_type')}, {cfg.get('num_hidden_layers')} layers, {heads} heads / "
-            f"{cfg.get('num_key_value_heads', heads)} KV heads, head_dim {cfg.get('head_dim')}, served in fp32)")
+            f"{cfg.get('num_key_value_heads', heads)} KV heads, head_dim {cfg.get('head_dim')}, served in {args.dtype})")
 
 
 #: flags whose value is a path of this machine, and the placeholder the results file shows instead
-_PATH_FLAGS = {"--workdir": "DIR", "--model": "CKPT", "--results": "FILE", "--baseline-tree": "TREE"}
+_PATH_FLAGS = {"--workdir": "DIR", "--model": "CKPT", "--results": "FILE", "--baseline-tree": "TREE", "--plot": "PNG"}
 
 
 def _placeholders(argv: list[str]) -> list[str]:

@@ -135,3 +135,12 @@ def test_model_sections_refuse_a_checkpoint_without_a_section(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(SystemExit, match="has no sparse_attention_config; calibrate it first"):
         bench.model_sections(tmp_path, (0.5, 0.5))
+
+
+@pytest.mark.parametrize("argv, shown", [
+    (["--model", "/data/m", "--plot", "/data/run.png", "--repeats", "2"],
+     ["--model", "CKPT", "--plot", "PNG", "--repeats", "2"]),
+    (["--workdir=/data/w", "--results=/data/r.md"], ["--workdir=DIR", "--results=FILE"]),
+], ids=["separate-values", "equals-values"])
+def test_the_reported_command_shows_no_path_of_this_machine(argv, shown):
+    assert bench._placeholders(argv) == shown
