@@ -698,7 +698,10 @@ def steps_report(args, results: dict, workloads, base: Path, started: float, loa
         same = sum(a == b for xs, ys in zip(ours, ref) for a, b in zip(xs, ys))
         return f"{same}/{sum(len(y) for y in ref)}"
 
-    summary, table = [], [
+    def tok_s(rate_or_none):  # a config left out of --configs shows "-", not a rate of 0
+        return "-" if rate_or_none is None else f"{rate_or_none:.1f}"
+
+    summary, table = [
         "| workload | phase | native tok/s | own dense tok/s (vs native) | at target tok/s (vs native) | f: attention share, "
         "native / own dense | tiles skipped per head / s: V tiles unread | attention bound 2/(2-s) | attention achieved "
         "(own dense / at target) | "
@@ -724,12 +727,13 @@ def steps_report(args, results: dict, workloads, base: Path, started: float, loa
             row.update(f_dense=f_dense, f_native=f_native, s=s, s_head=s_head, s_is_v=s is not s_head,
                        attention_bound=a_bound, attention_achieved=a_achieved,
                        step_bound=step_bound(f_dense, a_bound), step_achieved=ratio(sparse, dense))
-            of_bound = (a_achieved - 1) / (a_bound - 1) if a_achieved and a_bound and a_bound > 1 else None
+            # a share of the gain the bound allows; undefined where the bound allows (almost) none
+            of_bound = (a_achieved - 1) / (a_bound - 1) if a_achieved and a_bound and a_bound > 1.01 else None
             row["of_bound"] = of_bound
             summary.append({k: v for k, v in row.items() if not k.endswith("_t")})
             table.append(
-                f"| {name_w} | {phase} | {nat or 0:.1f} | {dense or 0:.1f} ({x(ratio(dense, nat))}) | "
-                f"{sparse or 0:.1f} ({x(ratio(sparse, nat))}) | {pct(f_native)} / {pct(f_dense)} | "
+                f"| {name_w} | {phase} | {tok_s(nat)} | {tok_s(dense)} ({x(ratio(dense, nat))}) | "
+                f"{tok_s(sparse)} ({x(ratio(sparse, nat))}) | {pct(f_native)} / {pct(f_dense)} | "
                 f"{pct(s_head)} / {pct(s) if row['s_is_v'] else 'not counted'} | {x(a_bound)}{'' if row['s_is_v'] else ' (upper)'} | "
                 f"{x(a_achieved)} | {pct(of_bound)} | {x(row['step_bound'])} | {x(row['step_achieved'])} |")
     base_rows = []

@@ -119,6 +119,16 @@ def _serve_native(tmp_path: Path, ckpt: Path, kv_cache_dtype: str, dtype: str = 
     return (report,)
 
 
+def _assert_gap_within(name: str, ours: tuple[str, dict, dict], yardstick: tuple[str, dict, dict], factor: float) -> None:
+    """Mean |logprob| gap of ``ours`` (label, report, report) < ``factor`` x that of ``yardstick``, over the
+    prompt tokens and the generated ones alike."""
+    for key in ("prompt_logprobs", "logprobs"):
+        gaps = {label: _logprob_gaps(a, b, key) for label, a, b in (ours, yardstick)}
+        means = {label: sum(g) / len(g) for label, g in gaps.items()}
+        print(f"{name} {key}: " + "; ".join(f"|{label}| mean {means[label]:.3f} max {max(gaps[label]):.3f}" for label in gaps))
+        assert means[ours[0]] < factor * means[yardstick[0]], (key, means)
+
+
 def _assert_sparse_and_identical(name: str, native: dict, sparse: dict, features: dict, logprob_tolerance: float = 1e-3) -> None:
     _assert_all_sparse(native, sparse, features)
     assert sparse["tokens"] == native["tokens"]
@@ -252,12 +262,7 @@ def test_smollm2_with_an_fp8_kv_cache_serves_30_of_30_layers_sparse_token_identi
     # The yardstick is the fp8 cache's own effect: the same prompts served natively with an
     # unquantised cache. Sparse must stay well inside it.
     (unquantised,) = _serve_native(tmp_path, ckpt, "auto")
-    for key in ("prompt_logprobs", "logprobs"):
-        ours, fp8_itself = _logprob_gaps(sparse, native, key), _logprob_gaps(native, unquantised, key)
-        mean_ours, mean_fp8 = sum(ours) / len(ours), sum(fp8_itself) / len(fp8_itself)
-        print(f"smollm2-fp8 {key}: |sparse - native fp8| mean {mean_ours:.3f} max {max(ours):.3f}; "
-              f"|native fp8 - native unquantised| mean {mean_fp8:.3f} max {max(fp8_itself):.3f}")
-        assert mean_ours < 0.5 * mean_fp8, (key, mean_ours, mean_fp8)
+    _assert_gap_within("smollm2-fp8", ("sparse", sparse, native), ("native fp8 - unquantised", native, unquantised), 0.5)
 
 
 #: SmolLM2-135M-Instruct in bfloat16: 30 Llama layers, full attention, no other feature.
@@ -285,9 +290,4 @@ def test_smollm2_in_bfloat16_serves_30_of_30_layers_sparse_as_close_to_fp32_as_n
     # as native bf16 is (measured 0.0705 vs 0.0706 nats over 870 prompt tokens, 0.69 vs 0.82 over 48 generated);
     # 1.25x leaves room for another CPU's rounding, and a broken page read or a wrong dtype is far outside it.
     (fp32,) = _serve_native(tmp_path, ckpt, "auto", "float32")
-    for key in ("prompt_logprobs", "logprobs"):
-        ours, bf16_itself = _logprob_gaps(sparse, fp32, key), _logprob_gaps(native, fp32, key)
-        mean_ours, mean_bf16 = sum(ours) / len(ours), sum(bf16_itself) / len(bf16_itself)
-        print(f"smollm2-bf16 {key}: |sparse bf16 - native fp32| mean {mean_ours:.3f} max {max(ours):.3f}; "
-              f"|native bf16 - native fp32| mean {mean_bf16:.3f} max {max(bf16_itself):.3f}")
-        assert mean_ours < 1.25 * mean_bf16, (key, mean_ours, mean_bf16)
+    _assert_gap_within("smollm2-bf16", ("sparse bf16 - fp32", sparse, fp32), ("native bf16 - fp32", native, fp32), 1.25)
