@@ -110,7 +110,9 @@ def _parse_list(raw: str, kind, flag: str) -> list:
     return values
 
 
-def _checkpoint_config(ckpt: Path) -> tuple[dict, Any]:
+def _checkpoint_config(ckpt: Path, need_curve: bool = True) -> tuple[dict, Any]:
+    """``(config.json, its calibrated section)``; the section may be missing (``None``) only where no sparse target
+    is served (``--targets none``: dense and the references)."""
     from sparse_attn.config import SECTION_KEY, SparseAttentionConfigError, read_config_json, read_section
 
     if not (ckpt / "config.json").is_file():
@@ -120,7 +122,7 @@ def _checkpoint_config(ckpt: Path) -> tuple[dict, Any]:
         reading = read_section(data.get(SECTION_KEY), source=str(ckpt / "config.json"))
     except SparseAttentionConfigError as exc:
         raise CliError(str(exc)) from None
-    if reading.config is None:
+    if reading.config is None and need_curve:
         raise CliError(f"{ckpt / 'config.json'} has no calibrated skip-softmax sparse_attention_config, so there is "
                        f"no curve to serve. Fix: run `sparse-attn calibrate {ckpt} --update_checkpoint_config` first")
     return data, reading.config
@@ -384,10 +386,10 @@ def evaluate(args) -> int:
 
     refs = parse_references(getattr(args, "references", None), args.dtype)  # a typo is refused before anything is read
     ckpt = Path(args.checkpoint)
-    model_cfg, config = _checkpoint_config(ckpt)
-    # "none": native vLLM only (fills a --workdir that later --targets runs read back).
+    # "none": native vLLM only (fills a --workdir that later --targets runs read back), with --references beside it.
     targets = ([] if (args.targets or "").strip().lower() == "none"
                else _parse_list(args.targets, float, "--targets") if args.targets else [None])
+    model_cfg, config = _checkpoint_config(ckpt, need_curve=bool(targets))
     for t in targets:
         if t is not None and not 0.0 <= t < 1.0:
             raise CliError(f"--targets: {t} is not in [0, 1)")

@@ -981,11 +981,10 @@ def test_help_says_what_the_references_are():
         assert words in text, words
 
 
-def test_eval_end_to_end_with_references_on_fake_engines(tmp_path, monkeypatch, capsys):
-    """`sparse-attn eval CKPT --references bf16,fp8` on an AVX2-only CPU, every engine faked: the fp8 reference is
-    said in one warning line before any engine starts and never started; dense, ref bf16 and the target run, in
-    that order; each step of every prompt is SAME for dense, NEAR for bf16 (KL K = 0.0059616 per step) and CLOSE
-    for the target (0.121171), so the target's KL x bf16 is 0.121171 / 0.0059616 = 20.325, +- 0 (every prompt alike)."""
+def _fake_eval_engines(monkeypatch) -> list:
+    """Every engine of `sparse-attn eval` faked on an AVX2-only CPU: each writes the cells of its job, dense SAME,
+    ref bf16 NEAR and a sparse target CLOSE at every step; returns the list of started (kind, dtype, kv dtype,
+    SPARSE_ATTN_DISABLE) it fills."""
     import subprocess
     import sys
     import types
@@ -1037,6 +1036,17 @@ def test_eval_end_to_end_with_references_on_fake_engines(tmp_path, monkeypatch, 
         return SimpleNamespaceProc([f"EVAL-PROGRESS {k + 1} {len(cells)}\n" for k in range(len(cells))], 0)
 
     monkeypatch.setattr(subprocess, "Popen", popen)
+    return started
+
+
+def test_eval_end_to_end_with_references_on_fake_engines(tmp_path, monkeypatch, capsys):
+    """`sparse-attn eval CKPT --references bf16,fp8` on an AVX2-only CPU, every engine faked: the fp8 reference is
+    said in one warning line before any engine starts and never started; dense, ref bf16 and the target run, in
+    that order; each step of every prompt is SAME for dense, NEAR for bf16 (KL K = 0.0059616 per step) and CLOSE
+    for the target (0.121171), so the target's KL x bf16 is 0.121171 / 0.0059616 = 20.325, +- 0 (every prompt alike)."""
+    from sparse_attn.cli import main
+
+    started = _fake_eval_engines(monkeypatch)
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "config.json").write_text(json.dumps({
@@ -1219,3 +1229,27 @@ def test_a_failed_engine_stops_the_ones_beside_it(tmp_path, monkeypatch):
     assert time.monotonic() - started < 30
     assert info.value.cause == "ValueError: this engine was told to fail"
     assert (work / "started-target-0.5").exists() and not (work / "out-target-0.5.json").exists()
+
+
+def test_targets_none_serves_dense_and_the_references_of_an_uncalibrated_checkpoint(tmp_path, monkeypatch):
+    """A reference measured on its own (`--targets none --references bf16`) needs no curve: the checkpoint may be
+    uncalibrated, and no sparse engine starts."""
+    from sparse_attn.cli import main
+
+    started = _fake_eval_engines(monkeypatch)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 128, "num_attention_heads": 2,
+                                                  "num_hidden_layers": 2, "max_position_embeddings": 4096}))
+    out = tmp_path / "eval.json"
+    assert main(["eval", str(ckpt), "--references", "bf16", "--targets", "none", "--tasks", "niah_single", "--lengths",
+                 "512", "--samples", "2", "--decode_tokens", "2", "--output", str(out), "--workdir", str(tmp_path / "w")]) == 0
+    assert started == [("dense", "float32", None, "1"), ("bfloat16", "bfloat16", None, "1")]
+    report = json.loads(out.read_text())
+    assert [c["label"] for c in report["configs"]] == ["dense", "ref bf16"]
+    assert report["configs"][1]["all"]["kl_all"] == pytest.approx(K_NEAR, abs=1e-7)
+    # with a target, the same checkpoint is refused before any engine starts
+    started.clear()
+    assert main(["eval", str(ckpt), "--targets", "0.5", "--tasks", "niah_single", "--lengths", "512",
+                 "--output", str(out)]) != 0
+    assert started == []
