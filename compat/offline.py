@@ -36,7 +36,7 @@ class Generation:
 def eval_engine_kwargs(*, model: str, dtype: str, max_model_len: int, seed: int, backend: str | None = None,
                        hf_overrides: Mapping[str, Any] | None = None, kv_cache_bytes: int | None = None,
                        prefix_caching: bool = False, kv_cache_dtype: str | None = None,
-                       extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                       max_step_tokens: int | None = None, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """``vllm.LLM`` arguments for an eval engine: the calibration engine's (eager, no prefix cache,
     whole prompts per step: so a prefill is measured as calibration measured it) plus
     ``hf_overrides`` (how eval serves another target: a replaced ``sparse_attention_config``).
@@ -44,7 +44,8 @@ def eval_engine_kwargs(*, model: str, dtype: str, max_model_len: int, seed: int,
     prompt's prefill with the generate pass; see :func:`sampling_params` ``read_prefix_cache``).
     ``kv_cache_dtype``: vLLM's spelling (``fp8``: its fp8 e4m3 cache, at the checkpoint's scales or vLLM's
     default 1.0); None: vLLM's default (the model's dtype). :func:`compat.launch.kv_cache_dtype_error` says
-    beforehand whether this machine's vLLM would refuse it."""
+    beforehand whether this machine's vLLM would refuse it. ``max_step_tokens``: prompts longer than this are
+    prefilled over several scheduler steps (vLLM's chunked prefill) instead of one."""
     extra = dict(extra or {})
     if kv_cache_bytes is not None:
         extra.setdefault("kv_cache_memory_bytes", int(kv_cache_bytes))
@@ -55,6 +56,8 @@ def eval_engine_kwargs(*, model: str, dtype: str, max_model_len: int, seed: int,
         kwargs["hf_overrides"] = dict(hf_overrides)
     if kv_cache_dtype is not None:
         kwargs["kv_cache_dtype"] = kv_cache_dtype
+    if max_step_tokens is not None:
+        kwargs["max_num_batched_tokens"] = int(max_step_tokens)
     return kwargs
 
 

@@ -149,7 +149,8 @@ def run_job(job: dict[str, Any], partial: Path | None = None) -> dict[str, Any]:
     llm = LLM(**offline.eval_engine_kwargs(model=job["checkpoint"], dtype=job["dtype"], max_model_len=job["max_model_len"],
                                            seed=job["seed"], backend=job.get("backend"), hf_overrides=overrides,
                                            kv_cache_bytes=job["kv_cache_bytes"], prefix_caching=forced_mode,
-                                           kv_cache_dtype=job.get("kv_cache_dtype")))
+                                           kv_cache_dtype=job.get("kv_cache_dtype"),
+                                           max_step_tokens=job.get("max_step_tokens")))
     started_s = time.monotonic() - t
 
     def stats(reset: bool = True) -> list[dict] | None:

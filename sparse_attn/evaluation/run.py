@@ -155,6 +155,26 @@ def _head_dim(model_cfg: dict) -> int:
     return text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
 
 
+#: What the logits of one teacher-forced scheduler step may take: vLLM computes every prompt position's
+#: log-probabilities over the whole vocabulary (fp32 logits and their log-softmax: 8 bytes an entry), so a whole
+#: 16k prompt of Gemma 3 (262 144 tokens) asks for 34 GB and the engine is killed for memory.
+TF_STEP_LOGITS_BYTES = 4 << 30
+
+
+def _vocab_size(model_cfg: dict) -> int:
+    return int(model_cfg.get("vocab_size") or (model_cfg.get("text_config") or {}).get("vocab_size") or 0)
+
+
+def teacher_forced_step_tokens(vocab: int, max_model_len: int) -> int | None:
+    """Tokens per scheduler step of a teacher-forced engine: ``None`` (whole prompts in one step, as calibration
+    runs them) where their logits fit :data:`TF_STEP_LOGITS_BYTES`, else the most that fit, a multiple of 256 (>= 256)
+    so the kernel's 64-row query tiles are the same as in one step (SmolLM2, 49 152 tokens: whole prompts up to
+    10 922 tokens; Gemma 3: 2048 a step)."""
+    if vocab * 8 * max_model_len <= TF_STEP_LOGITS_BYTES:
+        return None
+    return max(256, TF_STEP_LOGITS_BYTES // (vocab * 8) // 256 * 256)
+
+
 def _kv_cache_bytes(model_cfg: dict, tokens: int) -> int:
     """Room for one cell's batch: K and V of every layer at float32, 25 % headroom, 1-4 GiB (a cell over 4 GiB
     runs in batches that fit: ``engine.prompts_per_batch``)."""
@@ -452,6 +472,8 @@ def evaluate(args) -> int:
                 "backend": args.attention_backend, "decode_tokens": args.decode_tokens,
                 "kv_cache_bytes": _kv_cache_bytes(model_cfg, args.samples * (max_model_len + 16)),
                 "teacher_forced": bool(args.teacher_forced),
+                "max_step_tokens": (teacher_forced_step_tokens(_vocab_size(model_cfg), max_model_len)
+                                    if args.teacher_forced else None),
                 # what the engine records (every step's and answer position's top-k): a --workdir output of an
                 # older engine, which kept the first step's alone, is another job and runs again
                 "top_k": TOP_K, "records": ["steps", "answer_top", "job_s"],

@@ -1253,3 +1253,29 @@ def test_targets_none_serves_dense_and_the_references_of_an_uncalibrated_checkpo
     assert main(["eval", str(ckpt), "--targets", "0.5", "--tasks", "niah_single", "--lengths", "512",
                  "--output", str(out)]) != 0
     assert started == []
+
+
+@pytest.mark.parametrize("vocab, max_model_len, step", [
+    (49_152, 8_193, None),        # SmolLM2 at 8k: 3.2 GB of logits, whole prompts as calibration runs them
+    (49_152, 10_922, None),       # its largest whole prompt under 4 GiB
+    (49_152, 10_923, 10_752),
+    (262_144, 2_048, None),       # Gemma 3: exactly 4 GiB
+    (262_144, 16_400, 2_048),     # 16k whole would be 34 GB
+    (10_000_000, 1_000, 256),     # never under one 256-token step
+], ids=["smollm2-8k", "smollm2-limit", "smollm2-over", "gemma-2k", "gemma-16k", "huge-vocab"])
+def test_a_teacher_forced_step_holds_at_most_4_gib_of_logits(vocab, max_model_len, step):
+    from sparse_attn.evaluation.run import TF_STEP_LOGITS_BYTES, teacher_forced_step_tokens
+
+    got = teacher_forced_step_tokens(vocab, max_model_len)
+    assert got == step
+    if got is not None:
+        assert got % 256 == 0 and (got == 256 or got * vocab * 8 <= TF_STEP_LOGITS_BYTES < (got + 256) * vocab * 8)
+
+
+@pytest.mark.parametrize("step", [None, 2048], ids=["whole-prompts", "chunked"])
+def test_eval_engine_takes_the_step_cap(step, monkeypatch):
+    from compat import launch, offline
+
+    monkeypatch.setattr(launch, "platform_is_cpu", lambda: True)  # vLLM's platform, the one vLLM question asked here
+    kwargs = offline.eval_engine_kwargs(model="m", dtype="float32", max_model_len=16_400, seed=0, max_step_tokens=step)
+    assert kwargs["max_num_batched_tokens"] == (16_400 if step is None else step)
