@@ -119,10 +119,11 @@ def _serve_native(tmp_path: Path, ckpt: Path, kv_cache_dtype: str, dtype: str = 
     return (report,)
 
 
-def _assert_gap_within(name: str, ours: tuple[str, dict, dict], yardstick: tuple[str, dict, dict], factor: float) -> None:
+def _assert_gap_within(name: str, ours: tuple[str, dict, dict], yardstick: tuple[str, dict, dict], factor: float,
+                       keys: tuple[str, ...] = ("prompt_logprobs", "logprobs")) -> None:
     """Mean |logprob| gap of ``ours`` (label, report, report) < ``factor`` x that of ``yardstick``, over the
-    prompt tokens and the generated ones alike."""
-    for key in ("prompt_logprobs", "logprobs"):
+    prompt tokens and (by default) the generated ones alike."""
+    for key in keys:
         gaps = {label: _logprob_gaps(a, b, key) for label, a, b in (ours, yardstick)}
         means = {label: sum(g) / len(g) for label, g in gaps.items()}
         print(f"{name} {key}: " + "; ".join(f"|{label}| mean {means[label]:.3f} max {max(gaps[label]):.3f}" for label in gaps))
@@ -286,8 +287,12 @@ def test_smollm2_in_bfloat16_serves_30_of_30_layers_sparse_as_close_to_fp32_as_n
     # probabilities to bf16 before P.V, ours accumulates P.V in fp32, and every layer's bf16 output moves the
     # next layer's K/V by a bf16 step, so the two bf16 engines differ from each other about as much as either
     # differs from fp32 (measured on an AMX Xeon: 0.084 nats mean over the prompt tokens between them). The
-    # independent reference is the same prompts served natively in float32: sparse bf16 must be as close to it
-    # as native bf16 is (measured 0.0705 vs 0.0706 nats over 870 prompt tokens, 0.69 vs 0.82 over 48 generated);
-    # 1.25x leaves room for another CPU's rounding, and a broken page read or a wrong dtype is far outside it.
+    # independent reference is the same prompts served natively in float32: over every prompt token (the same
+    # tokens in all three engines: paired), sparse bf16 must be as close to it as native bf16 is (measured twice:
+    # 0.070 vs 0.071 and 0.070 vs 0.072 nats over 870 prompt tokens); 1.25x leaves room for another CPU's rounding,
+    # and a broken page read or a wrong dtype is far outside it. Not over the generated tokens: the three greedy
+    # paths part after a few tokens, from where the logprobs are of different tokens (and native bf16's, whose AMX
+    # kernel is not run-to-run deterministic, measured 0.82 then 0.41 nats from fp32 over the same 48 steps).
     (fp32,) = _serve_native(tmp_path, ckpt, "auto", "float32")
-    _assert_gap_within("smollm2-bf16", ("sparse bf16 - fp32", sparse, fp32), ("native bf16 - fp32", native, fp32), 1.25)
+    _assert_gap_within("smollm2-bf16", ("sparse bf16 - fp32", sparse, fp32), ("native bf16 - fp32", native, fp32), 1.25,
+                       keys=("prompt_logprobs",))
