@@ -1,9 +1,11 @@
 """Kernel level, on CPU: vLLM's own CPU attention vs our compiled kernel on the same paged cache.
 
-Needs an importable vLLM CPU build (e.g. ``.tox/engine0320/bin/python``).  One cpu-packed
-cache ``[blocks, Hkv, page, 2 * D]`` (fp32, page 128: what CPU_ATTN allocates), written with
+Needs an importable vLLM CPU build (e.g. ``.tox/engine0320/bin/python``).  A cpu-packed
+cache ``[blocks, Hkv, page, 2 * D]`` (page 128: what CPU_ATTN allocates), written with
 vLLM's own ``cpu_attn_reshape_and_cache``; vLLM reads it through its own views and scheduler
-metadata (``cpu_attn_get_scheduler_metadata``, ISA ``vec``), we through ``compat``'s views.
+metadata (``cpu_attn_get_scheduler_metadata``) with the ISA it picks for the dtype (``vec`` for
+fp32; ``amx`` for bf16 on a CPU with AMX tiles, on a cache it writes for ``amx``), we ours (its
+``vec`` pages) through ``compat``'s views.
 Both outputs are compared (max abs difference), then timed interleaved, best of ``--repeats``,
 at ``--threads`` (vLLM's kernel uses OpenMP's thread count, ours ``torch.get_num_threads()``,
 the same runtime).  Ours runs dense (lambda 0) and at ~50 / ~75 % tile sparsity.
@@ -41,6 +43,9 @@ def main(argv=None) -> int:
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="model dtype: bf16 times vLLM with the ISA it picks for bf16 on this CPU (amx where the CPU "
+                        "has it, vec otherwise) on a cache it writes for that ISA, and ours on its vec pages")
     p.add_argument("--only", default="", help="comma-separated case names: " + ",".join(c[0] for c in CASES))
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -51,7 +56,12 @@ def main(argv=None) -> int:
     ops = compat.cpu_ops()  # loads vLLM's CPU kernels: vllm._custom_ops up to 0.33, vllm._cpu_ops from 0.34
     from sparse_attn.kernels import LayerSpec, PagedBatch, cpu_impl, paged_attention
 
-    print(f"threads={a.threads} repeats={a.repeats} kernel={cpu_impl.status().describe()} "
+    # vLLM's own choice for the dtype on this CPU (its _get_attn_isa: amx for bf16 where the CPU has AMX tiles).
+    native_isa = "amx" if a.dtype == "bf16" and torch.cpu._is_amx_tile_supported() else "vec"
+    if native_isa == "amx":
+        torch.cpu._init_amx()  # the kernel's tile permission (in an engine, oneDNN's bf16 linears ask for it first)
+    print(f"dtype={a.dtype} vLLM isa={native_isa} threads={a.threads} repeats={a.repeats} "
+          f"kernel={cpu_impl.status().describe()} "
           f"load={'/'.join(f'{x:.1f}' for x in os.getloadavg())}\n")
     print("| case | vLLM ms | ours dense ms | dense vs vLLM | ours ~50 % ms (sparsity) | ours ~75 % ms (sparsity) "
           "| ~75 % vs vLLM | max abs diff dense vs vLLM |")
@@ -61,20 +71,28 @@ def main(argv=None) -> int:
         if keep and name not in keep:
             continue
         page = 128
-        src = make_inputs(n, kv_len, q_len, hq, hkv, d, page, torch.float32, "cpu")  # contiguous K/V to copy from
+        dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+        src = make_inputs(n, kv_len, q_len, hq, hkv, d, page, dtype, "cpu")  # contiguous K/V to copy from
         n_blocks = src.key_cache.shape[0]
-        kv = torch.zeros(n_blocks, hkv, page, 2 * d)
-        key_cache, value_cache = kv.view(n_blocks, hkv, 2 * page, d).chunk(2, dim=2)  # what CPU_ATTN hands its op
         slots = (src.block_table.long()[:, :, None] * page + torch.arange(page)).view(n, -1)[:, :kv_len].reshape(-1)
         tok_k = src.key_cache.view(-1, hkv, d)[slots]
         tok_v = src.value_cache.view(-1, hkv, d)[slots]
-        ops.cpu_attn_reshape_and_cache(tok_k, tok_v, key_cache, value_cache, slots, "vec")
+
+        def cache(isa):  # a [blocks, Hkv, page, 2 D] cache written by vLLM for isa, and the halves its op takes
+            kv = torch.zeros(n_blocks, hkv, page, 2 * d, dtype=dtype)
+            key_cache, value_cache = kv.view(n_blocks, hkv, 2 * page, d).chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(tok_k, tok_v, key_cache, value_cache, slots, isa)
+            return kv, key_cache, value_cache
+
+        kv, _, _ = cache("vec")  # ours reads vec pages (compat makes vLLM pack sparse layers' pages so)
         k_view, v_view = layouts.views("cpu-packed", kv, d, isa="vec")
+        _, key_cache, value_cache = cache(native_isa)
         batch = PagedBatch(src.query, k_view, v_view, src.block_table, src.seq_lens, src.query_start_loc)
         scale = 1 / math.sqrt(d)
         meta = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=n, num_heads=hq, num_kv_heads=hkv, head_dim=d, seq_lens=src.seq_lens, dtype=torch.float32,
-            query_start_loc=src.query_start_loc, causal=True, sliding_window_size=-1, isa="vec", enable_kv_split=True)
+            num_reqs=n, num_heads=hq, num_kv_heads=hkv, head_dim=d, seq_lens=src.seq_lens, dtype=dtype,
+            query_start_loc=src.query_start_loc, causal=True, sliding_window_size=-1, isa=native_isa,
+            enable_kv_split=True)
         out_native = torch.empty_like(src.query)
 
         def native():
@@ -88,7 +106,7 @@ def main(argv=None) -> int:
         ours = [(lambda lam: lambda: paged_attention(batch, spec, threshold=lam, impl="compiled"))(lam)
                 for lam in (0.0, grid[pick50], grid[pick75])]
         native()
-        diff = (ours[0]() - out_native).abs().max().item()
+        diff = (ours[0]().float() - out_native.float()).abs().max().item()
         best = [math.inf] * 4
         for _ in range(a.repeats):
             for i, fn in enumerate([native] + ours):

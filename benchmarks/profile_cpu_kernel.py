@@ -52,6 +52,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="calls per measurement (phase cycles are summed)")
     p.add_argument("--layout", choices=("cpu-packed", "contiguous"), default="cpu-packed")
     p.add_argument("--page-size", type=int, default=128)
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="queries and cache")
     p.add_argument("--sparsities", type=lambda s: tuple(float(x) for x in s.split(",")), default=(0.75,),
                    help="comma-separated target tile sparsities profiled after dense (default 0.75)")
     a = p.parse_args(argv)
@@ -67,7 +68,9 @@ def main(argv=None) -> int:
     for name, n, kv, q, hq, hkv, d in CASES:
         if keep and name not in keep:
             continue
-        args = make_inputs(n, kv, q, hq, hkv, d, a.page_size, torch.float32, "cpu", layout=a.layout)
+        args = make_inputs(n, kv, q, hq, hkv, d, a.page_size,
+                           {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype], "cpu",
+                           layout=a.layout)
         spec = LayerSpec(1 / math.sqrt(d))
         picks, grid, frac = calibrate(args, spec.scale, a.sparsities, "compiled")
         for lam, sp in [(0.0, 0.0)] + [(grid[i], frac[i]) for i in picks]:

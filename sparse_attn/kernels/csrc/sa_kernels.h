@@ -1,8 +1,9 @@
-// Micro-kernels of the CPU kernel (skip_attn_cpu.cpp): S = Q K^T and O += P V on fp32 tiles.
+// Micro-kernels of the CPU kernel (skip_attn_cpu.cpp): S = Q K^T and O += P V, fp32 arithmetic.
 //
-// B operands are fp32: the cpu-packed page of an fp32 cache read in place (K dim-major:
-// 16 positions per row of a panel; V token-major: one row per position), or the fp32
-// gather buffers every other cache type and layout is converted into.
+// B operands (type B: float, bf16_t or f16_t, widened to fp32 as they are loaded): the cpu-packed
+// page of an fp32 / bf16 / fp16 cache read in place (K dim-major: 16 positions per row of a panel;
+// V token-major: one row per position), or the fp32 gather buffers every other cache type and
+// layout is converted into.
 #pragma once
 
 #include <algorithm>
@@ -39,9 +40,9 @@ constexpr bool DECODE_ROWS_TOGETHER = false;
 // C[r][16p : 16p+16] = sum_d A[r][d] * B_p[d][0:16] for r < R, p < NP: NP column panels of 16 KV
 // positions.  A: fp32 rows (lda).  kp[p]: panel p's first dim row; D rows of 16 positions, ldb
 // apart (the dim-major K of the cpu-packed page read in place, or the gather buffer).
-template <int R, int NP>
-inline void qk_block(const float* A, int lda, const float* const* kp, int64_t ldb, int D, float* C, int ldc,
-                     const float* pf = nullptr) {
+template <int R, int NP, typename B>
+inline void qk_block(const float* A, int lda, const B* const* kp, int64_t ldb, int D, float* C, int ldc,
+                     const B* pf = nullptr) {
   V16 c[R][NP];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
@@ -67,28 +68,29 @@ inline void qk_block(const float* A, int lda, const float* const* kp, int64_t ld
     for (int p = 0; p < NP; ++p) store16(C + r * ldc + PANEL * p, c[r][p]);
 }
 
-template <int R>
-__attribute__((noinline)) static void qk_block_np(int NP, const float* A, int lda, const float* const* kp, int64_t ldb,
-                                                  int D, float* C, int ldc, const float* pf) {
+template <int R, typename B>
+__attribute__((noinline)) static void qk_block_np(int NP, const float* A, int lda, const B* const* kp, int64_t ldb,
+                                                  int D, float* C, int ldc, const B* pf) {
   switch (NP) {
-    case 1: qk_block<R, 1>(A, lda, kp, ldb, D, C, ldc); break;
-    case 2: qk_block<R, 2>(A, lda, kp, ldb, D, C, ldc); break;
-    case 3: qk_block<R, 3>(A, lda, kp, ldb, D, C, ldc); break;
-    default: qk_block<R, 4>(A, lda, kp, ldb, D, C, ldc, pf); break;
+    case 1: qk_block<R, 1, B>(A, lda, kp, ldb, D, C, ldc); break;
+    case 2: qk_block<R, 2, B>(A, lda, kp, ldb, D, C, ldc); break;
+    case 3: qk_block<R, 3, B>(A, lda, kp, ldb, D, C, ldc); break;
+    default: qk_block<R, 4, B>(A, lda, kp, ldb, D, C, ldc, pf); break;
   }
 }
 
 // Not inlined: one copy serves every run_item variant (a quarter of the code, and of the
 // compile time, of inlining them), and a call per block costs nothing.
-static void qk_rows(int R, int NP, const float* A, int lda, const float* const* kp, int64_t ldb, int D, float* C, int ldc,
-                    const float* pf = nullptr) {
+template <typename B>
+static void qk_rows(int R, int NP, const float* A, int lda, const B* const* kp, int64_t ldb, int D, float* C, int ldc,
+                    const B* pf = nullptr) {
   switch (R) {
-    case 1: qk_block_np<1>(NP, A, lda, kp, ldb, D, C, ldc, pf); break;
-    case 2: qk_block_np<2>(NP, A, lda, kp, ldb, D, C, ldc, pf); break;
-    case 3: qk_block_np<3>(NP, A, lda, kp, ldb, D, C, ldc, pf); break;
-    case 4: qk_block_np<4>(NP, A, lda, kp, ldb, D, C, ldc, pf); break;
-    case 5: qk_block_np<5>(NP, A, lda, kp, ldb, D, C, ldc, pf); break;
-    default: qk_block_np<6>(NP, A, lda, kp, ldb, D, C, ldc, pf); break;
+    case 1: qk_block_np<1, B>(NP, A, lda, kp, ldb, D, C, ldc, pf); break;
+    case 2: qk_block_np<2, B>(NP, A, lda, kp, ldb, D, C, ldc, pf); break;
+    case 3: qk_block_np<3, B>(NP, A, lda, kp, ldb, D, C, ldc, pf); break;
+    case 4: qk_block_np<4, B>(NP, A, lda, kp, ldb, D, C, ldc, pf); break;
+    case 5: qk_block_np<5, B>(NP, A, lda, kp, ldb, D, C, ldc, pf); break;
+    default: qk_block_np<6, B>(NP, A, lda, kp, ldb, D, C, ldc, pf); break;
   }
 }
 
@@ -100,18 +102,19 @@ static void qk_rows(int R, int NP, const float* A, int lda, const float* const* 
 // row of a 128-token page) nor the jump to the next block: raw decode calls, 1 thread, 9/3/64
 // heads, fp32, AVX-512: 4 x 8k 3.05 -> 2.61 ms, 16 x 2k 2.92 -> 2.42 ms into L1; into L2 (more
 // misses in flight) 8 x 16k (200 MB, from DRAM) 21.1 -> 19.8 ms.  Two tiles ahead gained nothing.
-inline void qk_tile(int M, const float* Q, int D, const float* const* kp, int npanel, int64_t ldb, float* S,
-                    const float* pf = nullptr) {
+template <typename B>
+inline void qk_tile(int M, const float* Q, int D, const B* const* kp, int npanel, int64_t ldb, float* S,
+                    const B* pf = nullptr) {
   if (M < MR && !DECODE_ROWS_TOGETHER && npanel == TILE_K / PANEL) {  // decode, one row at a time
     for (int r = 0; r < M; ++r)
-      qk_rows(1, npanel, Q + size_t(r) * D, D, kp, ldb, D, S + size_t(r) * TILE_K, TILE_K, r ? nullptr : pf);
+      qk_rows<B>(1, npanel, Q + size_t(r) * D, D, kp, ldb, D, S + size_t(r) * TILE_K, TILE_K, r ? nullptr : pf);
     return;
   }
   for (int rb = 0; rb < M; rb += MR) {
     const int R = std::min(MR, M - rb);
     for (int p = 0; p < npanel; p += QK_NP) {
       const int np = std::min(QK_NP, npanel - p);
-      qk_rows(R, np, Q + size_t(rb) * D, D, kp + p, ldb, D, S + size_t(rb) * TILE_K + p * PANEL, TILE_K,
+      qk_rows<B>(R, np, Q + size_t(rb) * D, D, kp + p, ldb, D, S + size_t(rb) * TILE_K + p * PANEL, TILE_K,
               rb == 0 && np == TILE_K / PANEL ? pf : nullptr);
     }
   }
@@ -120,15 +123,15 @@ inline void qk_tile(int M, const float* Q, int D, const float* const* kp, int np
 // O_r[col : col+16 W16] += sum_t P_r[t] * V[t][col : col+16 W16] for the R rows P_r / O_r (pointers:
 // any subset of an item's rows), t < ntok; V rows by pointer (token-major V read in place through
 // the block table, or the gather buffer).
-template <int R, int W16>
-inline void pv_block(const float* const* P, const float* const* vrows, int ntok, int col, float* const* O) {
+template <int R, int W16, typename B>
+inline void pv_block(const float* const* P, const B* const* vrows, int ntok, int col, float* const* O) {
   V16 acc[R][W16];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int w = 0; w < W16; ++w) acc[r][w] = load16(O[r] + col + 16 * w);
   for (int t = 0; t < ntok; ++t) {
-    const float* v = vrows[t] + col;
+    const B* v = vrows[t] + col;
     V16 b[W16];
 #pragma GCC unroll 4
     for (int w = 0; w < W16; ++w) b[w] = load16(v + 16 * w);
@@ -146,8 +149,8 @@ inline void pv_block(const float* const* P, const float* const* vrows, int ntok,
 }
 
 // The last 8 columns of a head size that is a multiple of 8 but not of 16.
-template <int R>
-inline void pv_block8(const float* const* P, const float* const* vrows, int ntok, int col, float* const* O) {
+template <int R, typename B>
+inline void pv_block8(const float* const* P, const B* const* vrows, int ntok, int col, float* const* O) {
   V8 acc[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r] = load8(O[r] + col);
@@ -161,34 +164,36 @@ inline void pv_block8(const float* const* P, const float* const* vrows, int ntok
 }
 
 // Every column of the R rows: blocks of the widest W16 that fits (the ISA's PV_W16, else 1), then 8.
-template <int R>
-__attribute__((noinline)) static void pv_block_cols(int W16, const float* const* P, const float* const* vrows, int ntok,
+template <int R, typename B>
+__attribute__((noinline)) static void pv_block_cols(int W16, const float* const* P, const B* const* vrows, int ntok,
                                                     int D, float* const* O) {
   int col = 0;
   if (W16 >= 4)
-    for (; col + 64 <= D; col += 64) pv_block<R, 4>(P, vrows, ntok, col, O);
-  for (; col + 16 <= D; col += 16) pv_block<R, 1>(P, vrows, ntok, col, O);
-  if (col < D) pv_block8<R>(P, vrows, ntok, col, O);
+    for (; col + 64 <= D; col += 64) pv_block<R, 4, B>(P, vrows, ntok, col, O);
+  for (; col + 16 <= D; col += 16) pv_block<R, 1, B>(P, vrows, ntok, col, O);
+  if (col < D) pv_block8<R, B>(P, vrows, ntok, col, O);
 }
 
-static void pv_rows(int R, int W16, const float* const* P, const float* const* vrows, int ntok, int D, float* const* O) {
+template <typename B>
+static void pv_rows(int R, int W16, const float* const* P, const B* const* vrows, int ntok, int D, float* const* O) {
   switch (R) {
-    case 1: pv_block_cols<1>(W16, P, vrows, ntok, D, O); break;
-    case 2: pv_block_cols<2>(W16, P, vrows, ntok, D, O); break;
-    case 3: pv_block_cols<3>(W16, P, vrows, ntok, D, O); break;
-    case 4: pv_block_cols<4>(W16, P, vrows, ntok, D, O); break;
-    case 5: pv_block_cols<5>(W16, P, vrows, ntok, D, O); break;
-    default: pv_block_cols<6>(W16, P, vrows, ntok, D, O); break;
+    case 1: pv_block_cols<1, B>(W16, P, vrows, ntok, D, O); break;
+    case 2: pv_block_cols<2, B>(W16, P, vrows, ntok, D, O); break;
+    case 3: pv_block_cols<3, B>(W16, P, vrows, ntok, D, O); break;
+    case 4: pv_block_cols<4, B>(W16, P, vrows, ntok, D, O); break;
+    case 5: pv_block_cols<5, B>(W16, P, vrows, ntok, D, O); break;
+    default: pv_block_cols<6, B>(W16, P, vrows, ntok, D, O); break;
   }
 }
 
 // O_r += P_r V for the n rows listed (P rows and O rows by pointer), in blocks of the ISA's shape.
-inline void pv_tile(int n, const float* const* P, const float* const* vrows, int ntok, int D, float* const* O) {
+template <typename B>
+inline void pv_tile(int n, const float* const* P, const B* const* vrows, int ntok, int D, float* const* O) {
   if (n < MR && !DECODE_ROWS_TOGETHER) {  // decode, one row at a time over all D columns
-    for (int r = 0; r < n; ++r) pv_rows(1, 4, P + r, vrows, ntok, D, O + r);
+    for (int r = 0; r < n; ++r) pv_rows<B>(1, 4, P + r, vrows, ntok, D, O + r);
     return;
   }
-  for (int rb = 0; rb < n; rb += MR) pv_rows(std::min(MR, n - rb), PV_W16, P + rb, vrows, ntok, D, O + rb);
+  for (int rb = 0; rb < n; rb += MR) pv_rows<B>(std::min(MR, n - rb), PV_W16, P + rb, vrows, ntok, D, O + rb);
 }
 
 }  // namespace sa

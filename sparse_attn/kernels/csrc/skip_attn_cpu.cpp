@@ -235,11 +235,20 @@ void store_out_rows(const SaCall& c, const Item& it, int64_t row0, int nr, const
   }
 }
 
-// One item.  KVT: cache type.  KD / VD: an fp32 cache's K / V read in place; every other
-// cache type and layout is converted into the fp32 gather buffers.
+// Caches the micro-kernels read in place (widening 16-bit elements as they load them); fp8 is
+// converted (and so read once) into the gather buffers.
+template <typename KVT>
+constexpr bool kInPlace = std::is_same<KVT, float>::value || std::is_same<KVT, bf16_t>::value ||
+                          std::is_same<KVT, f16_t>::value;
+
+// One item.  KVT: cache type.  KD / VD: the cache's K / V read in place (kInPlace types, in the
+// layouts run() checks); every other cache type and layout is converted into the fp32 gather
+// buffers.  Either way the micro-kernels see the same fp32 values, so the outputs are the same.
 template <typename KVT, bool KD, bool VD>
 void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc, Counts& cnt, bool test) {
-  static_assert(!(KD || VD) || std::is_same<KVT, float>::value, "only fp32 caches are read in place");
+  static_assert(!(KD || VD) || kInPlace<KVT>, "fp8 caches are not read in place");
+  using KB = std::conditional_t<KD, KVT, float>;  // the element type the micro-kernels read K / V as
+  using VB = std::conditional_t<VD, KVT, float>;
   const int D = c.head_dim, g = c.num_q_heads / c.num_kv_heads, S = c.num_seqs;
   const int s = it.seq, kvh = it.kvh;
   const int64_t kv = info[s], qs = info[S + s], ql = info[2 * S + s];
@@ -280,9 +289,9 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
   const bool count_v = test && c.counters && lam_s > 0.0f;
   const KVT* kh = static_cast<const KVT*>(c.k) + int64_t(kvh) * c.k_sh;  // this KV head's K and V
   const KVT* vh = static_cast<const KVT*>(c.v) + int64_t(kvh) * c.v_sh;
-  const float* kpanel[TILE_K / PANEL];
+  const KB* kpanel[TILE_K / PANEL];
   int64_t ldk;
-  const float* vrows[TILE_K];
+  const VB* vrows[TILE_K];
   bool keep[ITEM_ROWS];
   const float* prow[ITEM_ROWS];  // the kept heads' rows of P and O, for pv_tile
   float* orow[ITEM_ROWS];
@@ -297,10 +306,9 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
     const int npanel = (ntok + PANEL - 1) / PANEL;
     ts.fill(c, s, pos0, ntok);
     // ---- K as 16-position panels of D rows
-    if (KD) {  // fp32, dim-major, 16-aligned pages: in place
+    if constexpr (KD) {  // dim-major, 16-aligned pages: in place
       ldk = c.k_sd;
-      for (int p = 0; p < npanel; ++p)
-        kpanel[p] = reinterpret_cast<const float*>(kh + ts.blk[p * PANEL] * c.k_sb + ts.off[p * PANEL] * c.k_st);
+      for (int p = 0; p < npanel; ++p) kpanel[p] = kh + ts.blk[p * PANEL] * c.k_sb + ts.off[p * PANEL] * c.k_st;
     } else {
       float* kb = sc.kbuf.data();
       ldk = TILE_K;
@@ -323,12 +331,13 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
     // ---- S = (scale Q) K^T, [M, 64]; panels past the sequence end are -inf
     // Decode (fewer rows than a block, read in place): prefetch the next tile's K while this one's
     // streams (qk_tile says why).
-    const float* pf = nullptr;
-    if (KD && M < MR && npanel == TILE_K / PANEL && step < last_tile) {
-      const int tn = anchor_tile == first_tile ? step + 1 : step;  // the next tile visited
-      const int64_t pn = int64_t(tn) * TILE_K, col = pn / c.page_size;
-      if (pn + TILE_K <= kv)
-        pf = reinterpret_cast<const float*>(kh + block_at(c, s, col) * c.k_sb + (pn - col * c.page_size) * c.k_st);
+    const KB* pf = nullptr;
+    if constexpr (KD) {
+      if (M < MR && npanel == TILE_K / PANEL && step < last_tile) {
+        const int tn = anchor_tile == first_tile ? step + 1 : step;  // the next tile visited
+        const int64_t pn = int64_t(tn) * TILE_K, col = pn / c.page_size;
+        if (pn + TILE_K <= kv) pf = kh + block_at(c, s, col) * c.k_sb + (pn - col * c.page_size) * c.k_st;
+      }
     }
     qk_tile(M, Q, D, kpanel, npanel, ldk, Sb, pf);
     if (npanel * PANEL < TILE_K)
@@ -419,8 +428,8 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
     }
     if (!any) continue;  // no head keeps the tile: V is not read
     // ---- V rows (token-major)
-    if (VD) {
-      for (int j = 0; j < ntok; ++j) vrows[j] = reinterpret_cast<const float*>(vh + ts.blk[j] * c.v_sb + ts.off[j] * c.v_st);
+    if constexpr (VD) {
+      for (int j = 0; j < ntok; ++j) vrows[j] = vh + ts.blk[j] * c.v_sb + ts.off[j] * c.v_st;
     } else {
       float* vb = sc.vbuf.data();
       for (int j = 0; j < ntok; ++j) {
@@ -531,11 +540,14 @@ int run(const SaCall& c) {
   bool test = c.num_counts > 0;
   if (c.lam)
     for (int s = 0; s < S && !test; ++s) test = c.lam[s] > 0.0f;
-  // An fp32 cache is read in place where K is dim-major (the cpu-packed page) with pages
-  // holding whole 16-position panels, and where V is token-major.
-  const bool f32 = std::is_same<KVT, float>::value;
-  const bool kdirect = f32 && c.k_st == 1 && c.page_size % PANEL == 0;
-  const bool vdirect = f32 && c.v_sd == 1;
+  // An fp32 / bf16 / fp16 cache can be read in place where K is dim-major (the cpu-packed page)
+  // with pages holding whole 16-position panels, and where V is token-major.  bf16 decode read in
+  // place (vLLM's vec pages, 1 thread, 9/3/64 heads, AVX-512, benchmarks/bench_cpu_native.py):
+  // 4 x 8k 4.00 -> 2.38 ms, 4 x 2k 1.04 -> 0.66 ms; through the gather buffers each element was
+  // widened, stored and read back, which made bf16 decode slower than fp32 decode although it
+  // reads half the bytes.
+  const bool kdirect = kInPlace<KVT> && c.k_st == 1 && c.page_size % PANEL == 0;
+  const bool vdirect = kInPlace<KVT> && c.v_sd == 1;
   int max_rows = 0;
   for (const Item& it : items) max_rows = std::max(max_rows, it.nh * TILE_Q);
   const int nthreads = std::max(1, std::min<int>(c.num_threads, int(items.size())));
@@ -551,10 +563,16 @@ int run(const SaCall& c) {
       cnt.skipped.assign(ncount, 0);
       for (int i = next.fetch_add(1); i < nitems; i = next.fetch_add(1)) {
         const Item& it = items[i];
-        if constexpr (std::is_same<KVT, float>::value) {
-          if (kdirect && vdirect) run_item<KVT, true, true>(c, info.data(), it, sc, cnt, test);
-          else if (kdirect) run_item<KVT, true, false>(c, info.data(), it, sc, cnt, test);
-          else if (vdirect) run_item<KVT, false, true>(c, info.data(), it, sc, cnt, test);
+        if constexpr (kInPlace<KVT>) {
+          // A 16-bit cache is widened on every load: in place for decode-sized items (fewer rows
+          // than a block: each K / V element is loaded once), through the buffers for larger ones,
+          // whose row blocks would widen each element once per block, the extra ops taking FMA ports.
+          const bool in_place = std::is_same<KVT, float>::value ||
+                                it.nh * std::min<int64_t>(TILE_Q, info[2 * S + it.seq] - int64_t(it.qtile) * TILE_Q) < MR;
+          const bool kd = kdirect && in_place, vd = vdirect && in_place;
+          if (kd && vd) run_item<KVT, true, true>(c, info.data(), it, sc, cnt, test);
+          else if (kd) run_item<KVT, true, false>(c, info.data(), it, sc, cnt, test);
+          else if (vd) run_item<KVT, false, true>(c, info.data(), it, sc, cnt, test);
           else run_item<KVT, false, false>(c, info.data(), it, sc, cnt, test);
         } else {
           run_item<KVT, false, false>(c, info.data(), it, sc, cnt, test);
