@@ -374,7 +374,7 @@ def fmt_ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 2)[2])
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "sparse-attn-bench-serving"),
@@ -430,6 +430,9 @@ def main() -> int:
     ap.add_argument("--calib-samples", type=int, default=3, help="prompts for --calibrate (default 3)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {CONFIGS}")
     ap.add_argument("--results", default=None, help="also write the markdown report here")
+    ap.add_argument("--report-only", action="store_true",
+                    help="start no engine: report from the engine outputs an earlier run with the same arguments "
+                         "left in --workdir (after a report that failed, or for another --plot / --results)")
     ap.add_argument("--plot", default=None, metavar="PNG",
                     help="--decode-timing steps: also draw the run (benchmarks/plot_serving.py; needs matplotlib)")
     ap.add_argument("--timeout", type=int, default=1200, help="seconds per engine subprocess")
@@ -437,7 +440,8 @@ def main() -> int:
     ap.add_argument("--prompts-json", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--attention-classes", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the command the report shows
     if args.child:
         return child(args)
 
@@ -478,6 +482,8 @@ def main() -> int:
         raise SystemExit(f"prompt length {too_long[0]} + {args.decode_tokens} decode tokens + 8 exceeds the model's "
                          f"{positions} positions; use at most {positions - args.decode_tokens - 8} tokens")
     prefill_ab, decode_ab, cal = tuple(args.prefill_ab), tuple(args.decode_ab), None
+    if args.calibrate and args.report_only:
+        ap.error("--report-only reports an earlier run: give its fitted --prefill-ab / --decode-ab, not --calibrate")
     if args.calibrate:
         prefill_ab, decode_ab, cal = calibrate(args, base, workdir, env)
     if args.section == "model":  # the checkpoint's own curves (a model with windowed layers has two)
@@ -493,6 +499,7 @@ def main() -> int:
     prompts_json = None
     if args.decode_timing == "steps":  # one prompt set for every config (a baseline tree included)
         prompts_json = workdir / "prompts.json"
+    if prompts_json and not args.report_only:
         prompts_json.write_text(json.dumps([{"name": f"{length}x{n}", "prompts": prompts_for(base, n, length, args.seed, args.prompts)}
                                             for length, n in workloads]))
     from compat.model import ATTENTION_CLASS_PATHS
@@ -510,6 +517,13 @@ def main() -> int:
                "--decode-timing", args.decode_timing, "--dtype", args.dtype]
         if prompts_json:
             cmd += ["--prompts-json", str(prompts_json), "--attention-classes", ",".join(ATTENTION_CLASS_PATHS)]
+        if args.report_only:
+            if not out.is_file():
+                raise SystemExit(f"[{name}] --report-only: no engine output {out.name} in --workdir (expected one from an "
+                                 "earlier run with the same arguments); run without --report-only")
+            r = json.loads(out.read_text())
+            results[name] = pool_rounds(results[name], r) if name in results else r
+            continue
         child_env = dict(env, PYTHONPATH=os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH", "")])))
         print(f"[{name}] starting engine" + (f" (round {rnd + 1} of {args.rounds})" if args.rounds > 1 else "") + " ...",
               flush=True)
@@ -577,15 +591,12 @@ def main() -> int:
                      f"{row['decode_tps_med']:.1f} | {fmt_ratio(ratio(row, 'decode_tps_med'))} | "
                      f"{', '.join(f'{x:.2f}' for x in row['t_prefill'])} | {', '.join(f'{x:.2f}' for x in row['t_full'])} |")
     load_after = os.getloadavg()
-    import torch
-    import vllm
-
-    cmdline = "PYTHONPATH=. python " + " ".join([os.path.relpath(__file__, REPO)] + _placeholders(sys.argv[1:]))
+    cmdline = "PYTHONPATH=. python " + " ".join([os.path.relpath(__file__, REPO)] + _placeholders([a for a in args.argv if a != "--report-only"]))
     header = [
         f"Command: `{cmdline}`",
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores ({_cpu_name()}), {platform.system()} {platform.release()}; "
-        f"vllm {vllm.__version__}, torch {torch.__version__}; Python {platform.python_version()}; "
+        f"vllm {_version('vllm')}, torch {_version('torch')}; Python {platform.python_version()}; "
         f"plugin CPU kernel here: {_cpu_kernel()}; VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND', '(unset)')}.",
         f"Load average (1/5/15 min) before: {'/'.join(f'{x:.1f}' for x in load_before)}, "
         f"after: {'/'.join(f'{x:.1f}' for x in load_after)}; per engine at its end: "
@@ -594,7 +605,7 @@ def main() -> int:
         f"({'/'.join(str(r['prompt_tokens']) for r in results.values())} prompt tokens in all), "
         f"M={args.decode_tokens} decode tokens each; {args.repeats} repeats; max_num_batched_tokens {args.max_num_batched_tokens}.",
         f"plugin-sparse: target prefill {args.prefill_target} / decode {args.decode_target}, prefill a/b {prefill_ab[0]:.4g}/{prefill_ab[1]:.4g}, decode a/b {decode_ab[0]:.4g}/{decode_ab[1]:.4g}"
-        + (" (fitted by --calibrate in this run)" if cal else "") + f". Total wall time {time.time() - started:.0f} s.",
+        + (" (fitted by --calibrate in this run)" if cal else "") + _wall_time(args, started),
         f"Decode timing: {args.decode_timing}; prompt tokens read from the prefix cache per run (prefill-only | full): "
         + ", ".join(f"{n} {r['cached_tokens'][0]} | {r['cached_tokens'][1]}" for n, r in results.items()) + ".",
     ]
@@ -701,7 +712,7 @@ def steps_report(args, results: dict, workloads, base: Path, started: float, loa
     def tok_s(rate_or_none):  # a config left out of --configs shows "-", not a rate of 0
         return "-" if rate_or_none is None else f"{rate_or_none:.1f}"
 
-    summary, table = [
+    summary, table = [], [
         "| workload | phase | native tok/s | own dense tok/s (vs native) | at target tok/s (vs native) | f: attention share, "
         "native / own dense | tiles skipped per head / s: V tiles unread | attention bound 2/(2-s) | attention achieved "
         "(own dense / at target) | "
@@ -755,15 +766,12 @@ def steps_report(args, results: dict, workloads, base: Path, started: float, loa
             walls = {p: ", ".join(f"{q['window'][p][0]:.2f}" for q in runs) for p in ("prefill", "decode")}
             timings.append(f"| {cfg} | {w[0]} tok x {w[1]} | {walls['prefill']} | {walls['decode']} | "
                            f"{runs[0]['window']['decode'][2]} | {agree(cfg, wi)} |")
-    import torch
-    import vllm
-
-    cmdline = "PYTHONPATH=. python " + " ".join([os.path.relpath(__file__, REPO)] + _placeholders(sys.argv[1:]))
+    cmdline = "PYTHONPATH=. python " + " ".join([os.path.relpath(__file__, REPO)] + _placeholders([a for a in args.argv if a != "--report-only"]))
     load_after = os.getloadavg()
     text = "\n".join([
         f"Command: `{cmdline}`", "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores ({_cpu_name()}), ISA {_isa()}; vllm {vllm.__version__}, "
-        f"torch {torch.__version__}; plugin CPU kernel: {_cpu_kernel()}; engine worker threads "
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores ({_cpu_name()}), ISA {_isa()}; vllm {_version('vllm')}, "
+        f"torch {_version('torch')}; plugin CPU kernel: {_cpu_kernel()}; engine worker threads "
         f"{env_threads(results)}. Load average before "
         f"{'/'.join(f'{v:.1f}' for v in load_before)}, after {'/'.join(f'{v:.1f}' for v in load_after)}; "
         "per engine at its end: " + ", ".join(f"{n} {'/'.join(f'{v:.1f}' for v in r['load_during'])}" for n, r in results.items()) + ".",
@@ -773,7 +781,7 @@ def steps_report(args, results: dict, workloads, base: Path, started: float, loa
         + (f", decode {args.decode_target} on the checkpoint's own calibrated curves" if args.section == "model" else
            f" (a/b {prefill_ab[0]:.4g}/{prefill_ab[1]:.4g}), decode {args.decode_target} (a/b {decode_ab[0]:.4g}/"
            f"{decode_ab[1]:.4g})")
-        + (", fitted by --calibrate in this run" if cal else "") + f". Total wall time {time.time() - started:.0f} s.",
+        + (", fitted by --calibrate in this run" if cal else "") + _wall_time(args, started),
         "", "Timing: vLLM's step loop; prefill = the steps until every sequence has its first token, decode = every later "
         "step (pure decode), from the median step of every repeat pooled (times the steps; prefill: the least disturbed "
         "repeat). f = time inside vLLM's Attention layers (cache write + attention) / step time. Tiles "
@@ -803,6 +811,19 @@ def steps_report(args, results: dict, workloads, base: Path, started: float, loa
 
         print(f"wrote {draw({'bound_table': summary}, Path(args.plot), title=_describe_model(args, base))}")
     return 0
+
+
+def _wall_time(args, started: float) -> str:
+    if args.report_only:
+        return ". Reported afterwards from the engine outputs in the work directory (--report-only)."
+    return f". Total wall time {time.time() - started:.0f} s."
+
+
+def _version(module: str) -> str:
+    try:
+        return __import__(module).__version__
+    except ImportError:
+        return "not installed"
 
 
 def _isa() -> str:

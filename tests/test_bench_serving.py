@@ -144,3 +144,63 @@ def test_model_sections_refuse_a_checkpoint_without_a_section(tmp_path):
 ], ids=["separate-values", "equals-values"])
 def test_the_reported_command_shows_no_path_of_this_machine(argv, shown):
     assert bench._placeholders(argv) == shown
+
+
+def _engine_output(prefill_s, decode_step_s, attn_share, counts=(0, 0, 0, 0), tokens=(7, 8, 9)):
+    """One config's child output as the engine run writes it: one workload of one 2048-token sequence, two repeats,
+    4 decode steps each."""
+    run = {"window": {"prefill": [prefill_s, prefill_s * attn_share, 1],
+                      "decode": [decode_step_s * 4, decode_step_s * 4 * attn_share, 4]},
+           "decode_steps": [[decode_step_s, decode_step_s * attn_share]] * 4, "decoded": 4,
+           "tokens": [list(tokens)], "counts": {"prefill": list(counts), "decode": list(counts)}}
+    return {"init_s": 1.0, "layers": [30], "load_during": [1.0, 1.0, 1.0], "worker_threads": [1, "{0}"],
+            "plugin_tree": None,
+            "workloads": [{"name": "2048x1", "num_seqs": 1, "prompt_tokens": 2048, "runs": [run, dict(run)]}]}
+
+
+def test_report_only_renders_the_bound_table_from_a_workdirs_engine_outputs(tmp_path, capsys):
+    """The whole report path of a --decode-timing steps run, no engine started: the three configs' outputs of an
+    earlier run in --workdir give the bound table, its summary.json and the results file, with the numbers worked
+    out by hand (native 1.0 s prefill and 50 ms decode steps; own dense 1.25 s / 62.5 ms; at target 1.0 s / 50 ms
+    with half the V tiles of a KV group unread)."""
+    import json
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 30,
+                                                  "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+                                                  "max_position_embeddings": 8192}))
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "prompts.json").write_text("[]")
+    (work / "native.json").write_text(json.dumps(_engine_output(1.0, 0.05, 0.4)))
+    (work / "plugin-dense.json").write_text(json.dumps(_engine_output(1.25, 0.0625, 0.5)))
+    (work / "plugin-sparse.json").write_text(json.dumps(_engine_output(1.0, 0.05, 0.4, counts=(60, 100, 50, 25),
+                                                                       tokens=(7, 8, 0))))
+    results = tmp_path / "results.md"
+    assert bench.main(["--report-only", "--workdir", str(work), "--model", str(ckpt), "--workloads", "2048:1",
+                       "--decode-tokens", "4", "--results", str(results), "--prefill-target", "0.5",
+                       "--decode-target", "0.5"]) == 0
+    table = json.loads((work / "summary.json").read_text())["bound_table"]
+    decode = next(r for r in table if r["phase"] == "decode")
+    assert decode["s"] == pytest.approx(0.5) and decode["s_head"] == pytest.approx(0.6)
+    assert decode["attention_bound"] == pytest.approx(4 / 3)
+    # attention: 4 x 62.5 ms x 0.5 own dense against 4 x 50 ms x 0.4 at target
+    assert decode["attention_achieved"] == pytest.approx(0.125 / 0.08)
+    assert decode["step_achieved"] == pytest.approx(1.25)
+    text = results.read_text()
+    command = next(line for line in text.splitlines() if line.startswith("Command:"))
+    assert "--report-only" not in command and "Reported afterwards" in text
+    assert "| 2048 tok x 1 | decode | 20.0 | 16.0 (0.80x) | 20.0 (1.00x) |" in text
+    assert "| plugin-sparse | 2048 tok x 1 |" in text and "2/3 |" in text  # greedy tokens equal to native's
+
+
+def test_report_only_without_an_earlier_runs_outputs_says_so(tmp_path):
+    import json
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 8192}))
+    with pytest.raises(SystemExit, match=r"no engine output native\.json in --workdir .* run without --report-only"):
+        bench.main(["--report-only", "--workdir", str(tmp_path / "empty"), "--model", str(ckpt),
+                    "--workloads", "2048:1"])
