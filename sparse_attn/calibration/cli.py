@@ -32,7 +32,7 @@ from sparse_attn.calibration.export import (
 from sparse_attn.calibration.fit import fit_counts
 from sparse_attn.calibration.outputs import DEFAULT_OUTPUT, QWEN_DUAL_CHUNK_FILE, check_destinations, describe_kind
 from sparse_attn.calibration.runner import PHASES, candidate_scales, counting_mode_env, measure, served_layers
-from sparse_attn.config import SparseAttentionConfigError, read_config_json
+from sparse_attn.config import SparseAttentionConfigError, config_value, read_config_json
 from sparse_attn.errors import CliError
 from sparse_attn.jsonio import JsonInputError, loads, shorten
 from sparse_attn.workloads.lengths import DEFAULT_CALIB_MAX_SEQLEN, TASK_PROMPT_MARGIN, length_bins
@@ -184,12 +184,10 @@ def _read_model_config(ckpt: Path) -> dict:
 
 
 def _vocab_size(model_config: Mapping[str, Any]) -> int | None:
-    """The model's vocabulary size (``vocab_size``, top level or in ``text_config``); None if absent."""
-    for holder in (model_config, model_config.get("text_config")):
-        value = holder.get("vocab_size") if isinstance(holder, Mapping) else None
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
+    """The model's vocabulary size (``vocab_size``, top level or in ``text_config``); None if absent or not a
+    positive integer."""
+    value = config_value(model_config, "vocab_size")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _check_bounds(args) -> None:

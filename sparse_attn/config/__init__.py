@@ -118,7 +118,7 @@ from __future__ import annotations
 from sparse_attn.protocol import PHASES
 
 from .errors import SparseAttentionConfigError
-from .io import load_from_checkpoint, read_config_json
+from .io import config_value, load_from_checkpoint, read_config_json, text_model_config
 from .parse import SectionReading, is_modelopt_section, parse_sparse_attention_config, read_section
 from .policy import Startup, StartupRefused, startup_notes
 from .regex_guard import MAX_PATTERN_LENGTH, MAX_UNBOUNDED_REPEATS
@@ -162,9 +162,11 @@ __all__ = [
     "UnservedGroup",
     "WINDOW_CURVE_KEY",
     "is_modelopt_section",
+    "config_value",
     "load_from_checkpoint",
     "parse_sparse_attention_config",
     "read_config_json",
+    "text_model_config",
     "read_section",
     "startup_notes",
 ]

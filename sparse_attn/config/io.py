@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ from .errors import SparseAttentionConfigError
 from .parse import read_section
 from .schema import SECTION_KEY, SparseAttentionConfig
 
-__all__ = ["MAX_CONFIG_BYTES", "load_from_checkpoint", "read_config_json"]
+__all__ = ["MAX_CONFIG_BYTES", "config_value", "load_from_checkpoint", "read_config_json", "text_model_config"]
 
 
 #: Largest ``config.json`` read (Hugging Face configs are kilobytes; a few with big
@@ -51,3 +52,16 @@ def load_from_checkpoint(ckpt_dir: str | Path) -> SparseAttentionConfig | None:
     """
     path = Path(ckpt_dir) / "config.json"
     return read_section(read_config_json(ckpt_dir).get(SECTION_KEY), source=str(path)).config
+
+
+def text_model_config(model_cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The text model's part of a ``config.json``: its ``text_config`` where the checkpoint nests one (Gemma 3 and
+    other multimodal configs), else the config itself."""
+    nested = model_cfg.get("text_config")
+    return nested if isinstance(nested, Mapping) and nested else model_cfg
+
+
+def config_value(model_cfg: Mapping[str, Any], key: str) -> Any:
+    """``key`` of a ``config.json``: at its top level, else in its ``text_config``; None where neither has it."""
+    value = model_cfg.get(key)
+    return value if value is not None else text_model_config(model_cfg).get(key)

@@ -65,7 +65,9 @@ def _add_counts(a: dict | None, b: dict | None) -> dict | None:
 
 def kv_bytes_per_token(model_cfg: dict) -> int:
     """K and V of every layer of one token at float32 (what the eval engines' caches are sized by)."""
-    text = model_cfg.get("text_config") or model_cfg
+    from sparse_attn.config import text_model_config
+
+    text = text_model_config(model_cfg)
     head = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
     return 2 * text["num_hidden_layers"] * text.get("num_key_value_heads", text["num_attention_heads"]) * head * 4
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from compat import envs, launch
+from sparse_attn.config import config_value, text_model_config
 from sparse_attn.errors import CliError
 from sparse_attn.evaluation import metrics
 from sparse_attn.evaluation.engine import PROGRESS_PREFIX, TOP_K, kv_bytes_per_token
@@ -151,7 +152,7 @@ def mark_dense_phases(report: dict, at_target: dict[str, Any], max_kv_len: int, 
 
 
 def _head_dim(model_cfg: dict) -> int:
-    text = model_cfg.get("text_config") or model_cfg
+    text = text_model_config(model_cfg)
     return text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
 
 
@@ -162,7 +163,7 @@ TF_STEP_LOGITS_BYTES = 4 << 30
 
 
 def _vocab_size(model_cfg: dict) -> int:
-    return int(model_cfg.get("vocab_size") or (model_cfg.get("text_config") or {}).get("vocab_size") or 0)
+    return int(config_value(model_cfg, "vocab_size") or 0)
 
 
 def teacher_forced_step_tokens(vocab: int, max_model_len: int) -> int | None:
@@ -419,8 +420,8 @@ def evaluate(args) -> int:
     # Without --lengths: the bins calibrate uses without --calib_max_seqlen (one home: workloads.lengths), so the
     # two commands with their defaults see one prompt mix.
     lengths = (_parse_list(args.lengths, int, "--lengths") if args.lengths
-               else sorted(default_lengths(model_cfg.get("text_config") or model_cfg)))
-    limit = model_cfg.get("max_position_embeddings") or (model_cfg.get("text_config") or {}).get("max_position_embeddings")
+               else sorted(default_lengths(text_model_config(model_cfg))))
+    limit = config_value(model_cfg, "max_position_embeddings")
     if limit and max(lengths) > limit:
         raise CliError(f"--lengths {max(lengths)} exceeds the model's context limit {limit} (config.json "
                        f"max_position_embeddings). Fix: --lengths up to {limit}")

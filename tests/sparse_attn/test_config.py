@@ -16,10 +16,12 @@ from sparse_attn.config import (
     PhaseFit,
     SparseAttentionConfigError,
     UnservedGroup,
+    config_value,
     is_modelopt_section,
     load_from_checkpoint,
     parse_sparse_attention_config,
     read_section,
+    text_model_config,
 )
 from sparse_attn.kernels import effective_lambda, never_skips
 
@@ -682,3 +684,24 @@ def test_never_skip_warning_names_the_window_curve():
     assert len(notes) == 1 and "sliding_window_threshold_scale_factor.prefill" in notes[0]
     assert "min(kv_len, window)" in notes[0] and "of the sliding-window layers never skips" in notes[0]
     assert cfg.never_skipping_phases(2048) == ()  # the main curve still skips
+
+
+# --------------------------------------------------------------------------- the model's own config.json fields
+
+GEMMA3_MULTIMODAL = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+                     "text_config": {"vocab_size": 262208, "head_dim": 256, "max_position_embeddings": 131072},
+                     "vision_config": {"hidden_size": 1152}}
+GEMMA3_TEXT = {"architectures": ["Gemma3ForCausalLM"], "vocab_size": 262144, "head_dim": 256,
+               "max_position_embeddings": 32768}
+
+
+@pytest.mark.parametrize("cfg, vocab, head, limit", [
+    (GEMMA3_MULTIMODAL, 262208, 256, 131072),
+    (GEMMA3_TEXT, 262144, 256, 32768),
+    ({"vocab_size": 49152, "text_config": {"vocab_size": 7, "head_dim": 64}}, 49152, 64, None),
+    ({"text_config": {}}, None, None, None),
+], ids=["nested-text-config", "flat", "top-level-wins", "empty"])
+def test_model_fields_come_from_the_top_level_else_text_config(cfg, vocab, head, limit):
+    assert config_value(cfg, "vocab_size") == vocab
+    assert config_value(cfg, "max_position_embeddings") == limit
+    assert text_model_config(cfg).get("head_dim") == head
