@@ -34,20 +34,25 @@ COUNTS_IN_KERNEL = True
 @dataclass(frozen=True)
 class Status:
     """Whether the compiled kernel serves in this process: ``available``, and either its
-    ``target`` (``avx2`` / ``generic``) / ``path`` / ``build_s`` (seconds this process spent
-    compiling; None = cached) or the ``reason`` it is not available."""
+    ``target`` (one of ``cpu_build.ISAS``) / ``path`` / ``build_s`` (seconds this process spent
+    compiling; None = cached) / ``tiles`` (the ``amx`` build: whether the OS granted the AMX tiles,
+    without which it runs the ``avx512`` code) or the ``reason`` it is not available."""
 
     available: bool
     target: str | None = None
     path: str | None = None
     build_s: float | None = None
     reason: str | None = None
+    tiles: bool = False
 
     def describe(self) -> str:
         if not self.available:
             return f"torch (compiled kernel unavailable: {self.reason})"
         how = "cached" if self.build_s is None else f"built in {self.build_s:.1f} s"
-        return f"compiled ({self.target}, {how}, {self.path})"
+        target = self.target
+        if target == "amx":
+            target += " tiles for bf16 prefill" if self.tiles else " build, tiles refused by the OS: avx512 code"
+        return f"compiled ({target}, {how}, {self.path})"
 
 
 _state: dict = {}
@@ -62,7 +67,8 @@ def status() -> Status:
                 try:
                     built = cpu_build.load()
                     _state["lib"] = built.lib
-                    _state["status"] = Status(True, built.target, str(built.path), built.build_s)
+                    _state["status"] = Status(True, built.target, str(built.path), built.build_s,
+                                              tiles=bool(built.lib.sa_tiles()))
                 except (cpu_build.CpuKernelUnavailable, OSError) as exc:
                     _state["status"] = Status(False, reason=str(exc))
     return _state["status"]

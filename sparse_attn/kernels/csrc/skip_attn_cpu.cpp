@@ -38,6 +38,9 @@
 #endif
 
 #include "sa_kernels.h"
+#if defined(SA_AMX)
+#include "sa_amx.h"
+#endif
 
 using namespace sa;
 
@@ -143,10 +146,19 @@ struct Item {
 
 struct Scratch {
   std::vector<float> q, s, o, rowmax, mref, l, mdense, seed, kbuf, vbuf;
+  // The AMX path's bf16 operands (sa_amx.h): raw query rows, the tile's K and V repacked, P rows.
+  std::vector<uint16_t> qb, kpack, vpack, pb, zrow;
   void reserve(int M, int D) {
-    auto grow = [](std::vector<float>& b, size_t n) {
+    auto grow = [](auto& b, size_t n) {
       if (b.size() < n) b.resize(n);
     };
+#if defined(SA_AMX)
+    grow(qb, size_t(M) * D);
+    grow(kpack, size_t(TILE_K) * D);
+    grow(vpack, size_t(TILE_K) * D);
+    grow(pb, size_t(16) * TILE_K);
+    grow(zrow, size_t(D));
+#endif
     grow(q, size_t(M) * D);
     grow(s, size_t(M) * TILE_K);
     grow(o, size_t(M) * D);
@@ -212,7 +224,12 @@ void load_q_rows(const SaCall& c, const Item& it, int64_t row0, int nr, float* Q
     for (int i = 0; i < nr; ++i) {
       const T* src = q + (row0 + i) * c.q_st + head * c.q_sh;
       float* dst = Q + size_t(hh * nr + i) * D;
-      for (int d = 0; d < D; ++d) dst[d] = to_f32(src[d * c.q_sd]) * c.scale;
+      if (c.q_sd == 1) {  // D % 8 == 0 (sa_forward): the same one rounding per element, 8 at a time
+        const V8 scale = set1(c.scale);
+        for (int d = 0; d < D; d += 8) store8(dst + d, mul(load8(src + d), scale));
+      } else {
+        for (int d = 0; d < D; ++d) dst[d] = to_f32(src[d * c.q_sd]) * c.scale;
+      }
     }
   }
 }
@@ -234,6 +251,65 @@ void store_out_rows(const SaCall& c, const Item& it, int64_t row0, int nr, const
     }
   }
 }
+
+#if defined(SA_AMX)
+// The item's bf16 query rows as they are (the softmax scale is applied to S), in the row order of
+// load_q_rows: Qb[(head-in-run, row)][d].
+void load_q_bits(const SaCall& c, const Item& it, int64_t row0, int nr, uint16_t* Qb) {
+  const bf16_t* q = static_cast<const bf16_t*>(c.q);
+  const int D = c.head_dim, g = c.num_q_heads / c.num_kv_heads;
+  for (int hh = 0; hh < it.nh; ++hh) {
+    const int64_t head = int64_t(it.kvh) * g + it.h0 + hh;
+    for (int i = 0; i < nr; ++i) {
+      const bf16_t* src = q + (row0 + i) * c.q_st + head * c.q_sh;
+      uint16_t* dst = Qb + size_t(hh * nr + i) * D;
+      if (c.q_sd == 1) std::memcpy(dst, src, sizeof(uint16_t) * D);
+      else
+        for (int d = 0; d < D; ++d) dst[d] = src[d * c.q_sd].x;
+    }
+  }
+}
+
+// kpack[kk][j][e] = K[2 kk + e][position j of the tile] (D / 2 rows of 64 pairs), positions past
+// the tile's ntok zero.  kh: this KV head's cache.
+void repack_k(const SaCall& c, const bf16_t* kh, const TileSlots& ts, int ntok, int npanel, int D, uint16_t* kpack) {
+  std::fill(kpack, kpack + size_t(D) * TILE_K, uint16_t(0));
+  if (c.k_st == 1 && c.page_size % PANEL == 0) {  // dim-major runs of 16 positions: 16 pairs a store
+    for (int p = 0; p < npanel; ++p) {
+      const uint16_t* src = reinterpret_cast<const uint16_t*>(kh + ts.blk[p * PANEL] * c.k_sb + ts.off[p * PANEL]);
+      for (int kk = 0; kk < D / 2; ++kk)
+        _mm512_storeu_si512(kpack + size_t(kk) * 2 * TILE_K + 2 * PANEL * p,
+                            pair16(src + 2 * kk * c.k_sd, src + (2 * kk + 1) * c.k_sd));
+    }
+  } else {
+    for (int j = 0; j < ntok; ++j) {
+      const bf16_t* src = kh + ts.blk[j] * c.k_sb + ts.off[j] * c.k_st;
+      for (int d = 0; d < D; ++d) kpack[size_t(d / 2) * 2 * TILE_K + 2 * j + (d & 1)] = src[d * c.k_sd].x;
+    }
+  }
+}
+
+// vpack[tt][d][e] = V[position 2 tt + e][d] (32 rows of D pairs), positions past ntok zero (P is
+// 0 there, but 0 times a NaN in an unused slot would not be).  zrow: D zeros.
+void repack_v(const SaCall& c, const bf16_t* vh, const TileSlots& ts, int ntok, int D, const uint16_t* zrow, uint16_t* vpack) {
+  auto row = [&](int j) -> const uint16_t* {
+    return j < ntok ? reinterpret_cast<const uint16_t*>(vh + ts.blk[j] * c.v_sb + ts.off[j] * c.v_st) : zrow;
+  };
+  for (int tt = 0; tt < TILE_K / 2; ++tt) {
+    uint16_t* dst = vpack + size_t(tt) * 2 * D;
+    if (c.v_sd == 1) {
+      const uint16_t *a = row(2 * tt), *b = row(2 * tt + 1);
+      for (int d = 0; d < D; d += 16) _mm512_storeu_si512(dst + 2 * d, pair16(a + d, b + d));
+    } else {
+      for (int e = 0; e < 2; ++e) {
+        const int j = 2 * tt + e;
+        for (int d = 0; d < D; ++d)
+          dst[2 * d + e] = j < ntok ? (vh + ts.blk[j] * c.v_sb + ts.off[j] * c.v_st)[d * c.v_sd].x : uint16_t(0);
+      }
+    }
+  }
+}
+#endif
 
 // Caches the micro-kernels read in place (widening 16-bit elements as they load them); fp8 is
 // converted (and so read once) into the gather buffers.
@@ -270,12 +346,28 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
   float *rowmax = sc.rowmax.data(), *mref = sc.mref.data(), *l = sc.l.data();
   float *mdense = sc.mdense.data(), *seed = sc.seed.data();
 
+  // AMX tiles (sa_amx.h) for the first M16 rows of a gathered bf16 item of 16 rows or more; the
+  // rest of its rows (M - M16 < 16) take the fp32 micro-kernels.
+#if defined(SA_AMX)
+  constexpr bool kAmxType = std::is_same<KVT, bf16_t>::value && !KD && !VD;
+  const bool amx = kAmxType && M >= 16 && D % 32 == 0 && amx_permitted();
+#else
+  constexpr bool amx = false;
+#endif
+  const int M16 = amx ? M / 16 * 16 : 0;
+
   PROF_START
   switch (c.dtype) {
     case 1: load_q_rows<bf16_t>(c, it, qs + r0, nr, Q); break;
     case 2: load_q_rows<f16_t>(c, it, qs + r0, nr, Q); break;
     default: load_q_rows<float>(c, it, qs + r0, nr, Q); break;
   }
+#if defined(SA_AMX)
+  if (amx) {
+    amx_tile_config();
+    load_q_bits(c, it, qs + r0, nr, sc.qb.data());
+  }
+#endif
   std::fill(O, O + size_t(M) * D, 0.0f);
   std::fill(l, l + M, 0.0f);
   std::fill(mref, mref + M, NEG_INF);
@@ -299,6 +391,7 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
   PROF(P_Q);
 
   for (int step = first_tile; step <= last_tile; ++step) {
+    [[maybe_unused]] bool vpacked = false;  // this tile's V repacked for the tiles (AMX)
     // step first_tile visits the anchor; the later steps the other tiles in KV order.
     const int t = step == first_tile ? anchor_tile : (anchor_tile == first_tile ? step : step - 1);
     const int64_t pos0 = int64_t(t) * TILE_K;
@@ -310,9 +403,15 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
       ldk = c.k_sd;
       for (int p = 0; p < npanel; ++p) kpanel[p] = kh + ts.blk[p * PANEL] * c.k_sb + ts.off[p * PANEL] * c.k_st;
     } else {
+#if defined(SA_AMX)
+      if constexpr (kAmxType)
+        if (amx) repack_k(c, kh, ts, ntok, npanel, D, sc.kpack.data());
+#endif
       float* kb = sc.kbuf.data();
       ldk = TILE_K;
-      if (c.k_st == 1 && c.page_size % PANEL == 0) {  // dim-major runs of 16 positions
+      if (M16 == M) {
+        // every row on tiles: no fp32 copy of K
+      } else if (c.k_st == 1 && c.page_size % PANEL == 0) {  // dim-major runs of 16 positions
         for (int p = 0; p < npanel; ++p) {
           const KVT* src = kh + ts.blk[p * PANEL] * c.k_sb + ts.off[p * PANEL];
           for (int d = 0; d < D; ++d) convert_run(src + d * c.k_sd, kb + d * TILE_K + p * PANEL, PANEL);
@@ -339,7 +438,14 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
         if (pn + TILE_K <= kv) pf = kh + block_at(c, s, col) * c.k_sb + (pn - col * c.page_size) * c.k_st;
       }
     }
-    qk_tile(M, Q, D, kpanel, npanel, ldk, Sb, pf);
+#if defined(SA_AMX)
+    if (amx) {
+      for (int rb = 0; rb < M16; rb += 16) amx_qk16(sc.qb.data() + size_t(rb) * D, D, sc.kpack.data(), Sb + size_t(rb) * TILE_K);
+      const __m512 scale16 = _mm512_set1_ps(c.scale);
+      for (size_t i = 0; i < size_t(M16) * TILE_K; i += 16) _mm512_storeu_ps(Sb + i, _mm512_mul_ps(_mm512_loadu_ps(Sb + i), scale16));
+    }
+#endif
+    if (M16 < M) qk_tile(M - M16, Q + size_t(M16) * D, D, kpanel, npanel, ldk, Sb + size_t(M16) * TILE_K, pf);
     if (npanel * PANEL < TILE_K)
       for (int r = 0; r < M; ++r) std::fill(Sb + size_t(r) * TILE_K + npanel * PANEL, Sb + size_t(r + 1) * TILE_K, NEG_INF);
     if (c.soft_cap > 0.0f) {  // logit = cap tanh(x / cap); masked positions are overwritten below
@@ -427,6 +533,36 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
       cnt.v_skipped += !any;
     }
     if (!any) continue;  // no head keeps the tile: V is not read
+    // ---- the kept heads' rows: on tiles in runs of 16 (AMX), the others listed for the fp32 P.V
+    int nkept = 0;
+    for (int hh = 0; hh < nh;) {
+      if (!keep[hh]) {
+        ++hh;
+        continue;
+      }
+      int he = hh;  // kept heads hh .. he - 1: one contiguous run of rows
+      while (he < nh && keep[he]) ++he;
+      int r = hh * nr;
+      if (amx) r += (he - hh) * nr / 16 * 16;  // rows [hh nr, r) go on tiles
+      for (int q = r; q < he * nr; ++q, ++nkept) {
+        prow[nkept] = Sb + size_t(q) * TILE_K;
+        orow[nkept] = O + size_t(q) * D;
+      }
+#if defined(SA_AMX)
+      if (amx && r > hh * nr) {
+        if constexpr (kAmxType)
+          if (!vpacked) repack_v(c, vh, ts, ntok, D, sc.zrow.data(), sc.vpack.data());
+        vpacked = true;
+        for (int q = hh * nr; q < r; q += 16) {
+          amx_round_p16(Sb + size_t(q) * TILE_K, sc.pb.data());
+          amx_pv16(sc.pb.data(), sc.vpack.data(), D, O + size_t(q) * D);
+        }
+      }
+#endif
+      hh = he;
+    }
+    PROF(P_PV);
+    if (nkept == 0) continue;
     // ---- V rows (token-major)
     if constexpr (VD) {
       for (int j = 0; j < ntok; ++j) vrows[j] = vh + ts.blk[j] * c.v_sb + ts.off[j] * c.v_st;
@@ -443,18 +579,13 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
       }
     }
     PROF(P_VPREP);
-    // ---- O += P V for the kept heads' rows
-    int nkept = 0;
-    for (int hh = 0; hh < nh; ++hh) {
-      if (!keep[hh]) continue;
-      for (int r = hh * nr; r < (hh + 1) * nr; ++r, ++nkept) {
-        prow[nkept] = Sb + size_t(r) * TILE_K;
-        orow[nkept] = O + size_t(r) * D;
-      }
-    }
+    // ---- O += P V for the listed rows
     pv_tile(nkept, prow, vrows, ntok, D, orow);
     PROF(P_PV);
   }
+#if defined(SA_AMX)
+  if (amx) _tile_release();
+#endif
   // ---- out = v_scale O / (l + exp(sink - m)) in the query dtype
   switch (c.dtype) {
     case 1: store_out_rows<bf16_t>(c, it, qs + r0, nr, O, l, mref); break;
@@ -626,12 +757,23 @@ extern "C" {
 int sa_abi_version() { return kAbiVersion; }
 
 const char* sa_isa() {
-#if defined(SA_AVX512)
+#if defined(SA_AMX)
+  return "amx";
+#elif defined(SA_AVX512)
   return "avx512";
 #elif defined(SA_AVX2)
   return "avx2";
 #else
   return "generic";
+#endif
+}
+
+// 1 where this build computes with AMX tiles and the OS granted them (asked here, once), else 0.
+int sa_tiles() {
+#if defined(SA_AMX)
+  return amx_permitted() ? 1 : 0;
+#else
+  return 0;
 #endif
 }
 
@@ -649,6 +791,10 @@ int sa_forward(const SaCall* c) {
 #endif
 #if defined(SA_AVX512)
   if (!__builtin_cpu_supports("avx512f")) return kIsaMissing;
+#endif
+#if defined(SA_AMX)
+  // The tiles are used only where the OS grants them (amx_permitted), else the avx512 code runs.
+  if (!__builtin_cpu_supports("avx512bw") || !__builtin_cpu_supports("avx512bf16")) return kIsaMissing;
 #endif
   // An unquantised cache has the query's dtype; an fp8 one goes with any query dtype.
   if (c->dtype < 0 || c->dtype > 2 || (c->kv_dtype < 3 && c->kv_dtype != c->dtype) || c->kv_dtype > 4)
