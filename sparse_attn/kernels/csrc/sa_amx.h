@@ -1,8 +1,8 @@
 // AMX-BF16 tile micro-kernels of the CPU kernel (skip_attn_cpu.cpp), built with -DSA_AMX only.
 //
 // What vLLM's own bf16 attention uses on such CPUs (its `amx` ISA): a TDPBF16PS multiplies a
-// 16 x 32 bf16 tile by a 32 x 16 one into 16 x 16 fp32 accumulators in one instruction, 16 times
-// the multiply-adds of a 512-bit FMA.  Used for a bf16 cache's items of 16 rows or more (prefill),
+// 16 x 32 bf16 tile by a 32 x 16 one into 16 x 16 fp32 accumulators in one instruction, about 16
+// times the multiply-adds per cycle of 512-bit FMAs.  Used for a bf16 cache's items of 16 rows or more (prefill),
 // in blocks of 16 rows; the rows left over, and decode, take the fp32 micro-kernels.
 //   S = Q K^T:  A = the item's bf16 query rows as they came (16 rows x 32 of d), B = the tile's keys
 //               repacked pairwise along d ("VNNI": row kk holds (K[2kk][j], K[2kk+1][j]) for 16
