@@ -517,23 +517,22 @@ def main(argv: list[str] | None = None) -> int:
                "--decode-timing", args.decode_timing, "--dtype", args.dtype]
         if prompts_json:
             cmd += ["--prompts-json", str(prompts_json), "--attention-classes", ",".join(ATTENTION_CLASS_PATHS)]
-        if args.report_only:
-            if not out.is_file():
-                raise SystemExit(f"[{name}] --report-only: no engine output {out.name} in --workdir (expected one from an "
-                                 "earlier run with the same arguments); run without --report-only")
-            r = json.loads(out.read_text())
-            results[name] = pool_rounds(results[name], r) if name in results else r
-            continue
-        child_env = dict(env, PYTHONPATH=os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH", "")])))
-        print(f"[{name}] starting engine" + (f" (round {rnd + 1} of {args.rounds})" if args.rounds > 1 else "") + " ...",
-              flush=True)
-        t = time.time()
-        proc = subprocess.run(cmd, env=child_env, capture_output=True, text=True, timeout=args.timeout)
-        if proc.returncode:
-            sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
-            raise SystemExit(f"[{name}] engine run failed (rc {proc.returncode})")
+        if args.report_only and not out.is_file():
+            raise SystemExit(f"[{name}] --report-only: no engine output {out.name} in --workdir (expected one from an "
+                             "earlier run with the same arguments); run without --report-only")
+        if not args.report_only:
+            child_env = dict(env, PYTHONPATH=os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH", "")])))
+            print(f"[{name}] starting engine" + (f" (round {rnd + 1} of {args.rounds})" if args.rounds > 1 else "") + " ...",
+                  flush=True)
+            t = time.time()
+            proc = subprocess.run(cmd, env=child_env, capture_output=True, text=True, timeout=args.timeout)
+            if proc.returncode:
+                sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
+                raise SystemExit(f"[{name}] engine run failed (rc {proc.returncode})")
         r = json.loads(out.read_text())
         results[name] = pool_rounds(results[name], r) if name in results else r
+        if args.report_only:
+            continue
         if prompts_json:
             if r.get("plugin_tree") and Path(r["plugin_tree"]).resolve() != tree and name != "native":
                 raise SystemExit(f"[{name}] served the plugin of {r['plugin_tree']}, expected {tree}")
