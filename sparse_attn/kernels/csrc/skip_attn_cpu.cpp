@@ -213,43 +213,48 @@ struct Rows {
   int64_t lo(int i) const { return window > 0 ? std::max<int64_t>(0, hi(i) - window + 1) : 0; }
 };
 
+// Calls f(row, head, r) for each query row of an item: row (token index) and head (query head) address
+// q and out, r is the row's place in the item's row order (head-in-run major: r = hh * nr + i), which
+// the Q, O, m and l scratch rows follow.
+template <typename F>
+void for_item_rows(const SaCall& c, const Item& it, int64_t row0, int nr, F f) {
+  const int g = c.num_q_heads / c.num_kv_heads;
+  for (int hh = 0; hh < it.nh; ++hh) {
+    const int64_t head = int64_t(it.kvh) * g + it.h0 + hh;
+    for (int i = 0; i < nr; ++i) f(row0 + i, head, hh * nr + i);
+  }
+}
+
 // Query rows -> scaled fp32 rows, and fp32 rows -> output rows, in the query's dtype (a
 // runtime switch per item: templating run_item on it too doubled the compile time).
 template <typename T>
 void load_q_rows(const SaCall& c, const Item& it, int64_t row0, int nr, float* Q) {
   const T* q = static_cast<const T*>(c.q);
-  const int D = c.head_dim, g = c.num_q_heads / c.num_kv_heads;
-  for (int hh = 0; hh < it.nh; ++hh) {
-    const int64_t head = int64_t(it.kvh) * g + it.h0 + hh;
-    for (int i = 0; i < nr; ++i) {
-      const T* src = q + (row0 + i) * c.q_st + head * c.q_sh;
-      float* dst = Q + size_t(hh * nr + i) * D;
-      if (c.q_sd == 1) {  // D % 8 == 0 (sa_forward): the same one rounding per element, 8 at a time
-        const V8 scale = set1(c.scale);
-        for (int d = 0; d < D; d += 8) store8(dst + d, mul(load8(src + d), scale));
-      } else {
-        for (int d = 0; d < D; ++d) dst[d] = to_f32(src[d * c.q_sd]) * c.scale;
-      }
+  const int D = c.head_dim;
+  for_item_rows(c, it, row0, nr, [&](int64_t row, int64_t head, int r) {
+    const T* src = q + row * c.q_st + head * c.q_sh;
+    float* dst = Q + size_t(r) * D;
+    if (c.q_sd == 1) {  // D % 8 == 0 (sa_forward): the same one rounding per element, 8 at a time
+      const V8 scale = set1(c.scale);
+      for (int d = 0; d < D; d += 8) store8(dst + d, mul(load8(src + d), scale));
+    } else {
+      for (int d = 0; d < D; ++d) dst[d] = to_f32(src[d * c.q_sd]) * c.scale;
     }
-  }
+  });
 }
 
 template <typename T>
 void store_out_rows(const SaCall& c, const Item& it, int64_t row0, int nr, const float* O, const float* l,
                     const float* mref) {
   T* out = static_cast<T*>(c.out);
-  const int D = c.head_dim, g = c.num_q_heads / c.num_kv_heads;
-  for (int hh = 0; hh < it.nh; ++hh) {
-    const int64_t head = int64_t(it.kvh) * g + it.h0 + hh;
-    for (int i = 0; i < nr; ++i) {
-      const int r = hh * nr + i;
-      const float denom = l[r] + (c.sink_logits ? std::exp(c.sink_logits[head] - mref[r]) : 0.0f);
-      const float inv = (denom > 0.0f || denom != denom) ? c.v_scale / denom : 0.0f;  // NaN stays NaN
-      const float* o = O + size_t(r) * D;
-      T* dst = out + (row0 + i) * c.o_st + head * c.o_sh;
-      for (int d = 0; d < D; ++d) from_f32(o[d] * inv, dst + d * c.o_sd);
-    }
-  }
+  const int D = c.head_dim;
+  for_item_rows(c, it, row0, nr, [&](int64_t row, int64_t head, int r) {
+    const float denom = l[r] + (c.sink_logits ? std::exp(c.sink_logits[head] - mref[r]) : 0.0f);
+    const float inv = (denom > 0.0f || denom != denom) ? c.v_scale / denom : 0.0f;  // NaN stays NaN
+    const float* o = O + size_t(r) * D;
+    T* dst = out + row * c.o_st + head * c.o_sh;
+    for (int d = 0; d < D; ++d) from_f32(o[d] * inv, dst + d * c.o_sd);
+  });
 }
 
 #if defined(SA_AMX)
@@ -257,17 +262,14 @@ void store_out_rows(const SaCall& c, const Item& it, int64_t row0, int nr, const
 // load_q_rows: Qb[(head-in-run, row)][d].
 void load_q_bits(const SaCall& c, const Item& it, int64_t row0, int nr, uint16_t* Qb) {
   const bf16_t* q = static_cast<const bf16_t*>(c.q);
-  const int D = c.head_dim, g = c.num_q_heads / c.num_kv_heads;
-  for (int hh = 0; hh < it.nh; ++hh) {
-    const int64_t head = int64_t(it.kvh) * g + it.h0 + hh;
-    for (int i = 0; i < nr; ++i) {
-      const bf16_t* src = q + (row0 + i) * c.q_st + head * c.q_sh;
-      uint16_t* dst = Qb + size_t(hh * nr + i) * D;
-      if (c.q_sd == 1) std::memcpy(dst, src, sizeof(uint16_t) * D);
-      else
-        for (int d = 0; d < D; ++d) dst[d] = src[d * c.q_sd].x;
-    }
-  }
+  const int D = c.head_dim;
+  for_item_rows(c, it, row0, nr, [&](int64_t row, int64_t head, int r) {
+    const bf16_t* src = q + row * c.q_st + head * c.q_sh;
+    uint16_t* dst = Qb + size_t(r) * D;
+    if (c.q_sd == 1) std::memcpy(dst, src, sizeof(uint16_t) * D);
+    else
+      for (int d = 0; d < D; ++d) dst[d] = src[d * c.q_sd].x;
+  });
 }
 
 // kpack[kk][j][e] = K[2 kk + e][position j of the tile] (D / 2 rows of 64 pairs), positions past
