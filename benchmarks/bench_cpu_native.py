@@ -13,7 +13,7 @@ the same runtime).  Ours runs dense (lambda 0) and at ~50 / ~75 % tile sparsity.
     .tox/engine0320/bin/python benchmarks/bench_cpu_native.py --threads 1 --repeats 5
 
 Cases: SmolLM2-135M's attention (9 query / 3 KV heads, head 64): prefill 2k, an 8k prefill's
-last 2k chunk, decode 4 x 2k and 4 x 8k; the kernel benchmark's 8/2/128 prefill 16k chunk.
+last 2k chunk, decode 4 x 2k, 4 x 8k and 1 x 8k; the kernel benchmark's 8/2/128 prefill 16k chunk.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ CASES = [  # name, sequences, KV length, query length, Hq, Hkv, D
     ("smol-prefill-8k-last-2k", 1, 8192, 2048, 9, 3, 64),
     ("smol-decode-4x2k", 4, 2048, 1, 9, 3, 64),
     ("smol-decode-4x8k", 4, 8192, 1, 9, 3, 64),
+    ("smol-decode-1x8k", 1, 8192, 1, 9, 3, 64),  # 3 KV heads: fewer items than threads without KV parts
     ("prefill-16k-chunk-1k", 1, 16384, 1024, 8, 2, 128),
 ]
 

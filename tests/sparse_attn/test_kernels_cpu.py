@@ -190,6 +190,10 @@ SPLIT_CASES = {
     "mixed-split192-gqa2-page7": ([650, 300, 40], [1, 150, 40], 4, 2, 16, 7, 192),
     "prefill-split64-every-tile": ([400], [200], 2, 1, 16, 32, 64),
     "decode-default-split-gqa3": ([SPLIT_K * 2 + 300, 900], [1, 1], 6, 2, 16, 128, None),
+    # Decode and short query tiles over more than one KV part (2048 positions at these splits): run as parts
+    # and merged; the rule's counts stay the reference's.
+    "decode-kv-parts-split128": ([5000, 2100, 64, 2049], [1, 3, 1, 16], 8, 2, 16, 16, 128),
+    "decode-kv-parts-split192-gqa3": ([4000, 2200], [1, 2], 6, 2, 16, 16, 192),
 }
 
 
@@ -250,9 +254,12 @@ def test_non_causal_matches_reference():
     assert sk2.tolist() == sk.tolist() and vis2.tolist() == vis.tolist() and int(sk.sum()) > 0
 
 
-def test_threads_do_not_change_results():
-    """Items are independent and their accumulation order is fixed: 1 and 2 threads agree bit for bit."""
-    batch = add_sink_token(make_batch([700, 5, 300, 1200], [1, 5, 300, 1], 9, 3, 64, 128, layout="cpu_packed", seed=9))
+@pytest.mark.parametrize("kv_lens, q_lens", [([700, 5, 300, 1200], [1, 5, 300, 1]), ([5000, 5, 2300], [1, 5, 2])],
+                         ids=["items", "decode-kv-parts"])
+def test_threads_do_not_change_results(kv_lens, q_lens):
+    """Items are independent and their accumulation order is fixed (a split decode item's parts are merged in
+    part order, whichever thread ran them): 1 and 2 threads agree bit for bit."""
+    batch = add_sink_token(make_batch(kv_lens, q_lens, 9, 3, 64, 128, layout="cpu_packed", seed=9))
     n = torch.get_num_threads()
     try:
         results = []

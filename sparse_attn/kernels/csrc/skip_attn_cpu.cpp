@@ -18,7 +18,9 @@
 //   inner loop: Q, S and O of the item stay in L2 while K/V stream) with the rule's dense
 //   running max (starting from the anchor's maxima, the seed, and restarted from them at
 //   every later split) and one online-softmax accumulator: splits are an evaluation order
-//   in the rule, so one pass over all tiles gives the same result.  The anchor is tile 0
+//   in the rule, so one pass over all tiles gives the same result.  A short query tile's item
+//   (decode) over a long KV runs as several items, one per KV part (KV_PART_MIN_TILES below),
+//   merged at the end, so a decode step has more items than sequences x KV heads.  The anchor is tile 0
 //   without a window and the item's diagonal tile with one; a windowed item visits its
 //   anchor first, so the seed is known before the tiles tested against it.
 
@@ -139,9 +141,24 @@ struct SaCall {
 
 namespace {
 
+// KV parts: an item of a short query tile (decode, speculative verification: at most KV_PART_MAX_ROWS
+// query rows) without a window, whose KV spans more than one part, runs as one item per part of
+// part_tiles() tiles, the smallest multiple of the rule's split (a split restarts the running max from
+// the seed, so the rule decides each part's tiles alone) of at least KV_PART_MIN_TILES; merge_parts()
+// then combines their softmax states.  A decode step has few items (sequences x KV heads), so without
+// parts threads beyond that count had nothing to do, as vLLM's CPU kernel avoids by splitting too.  The
+// parts do not depend on the thread count, so neither do the outputs; a later part recomputes only the
+// anchor tile's Q.K^T (its seed), 1 tile in KV_PART_MIN_TILES.
+constexpr int KV_PART_MIN_TILES = 32, KV_PART_MAX_ROWS = 16;
+inline int part_tiles(const SaCall& c) { return c.split_tiles * ((KV_PART_MIN_TILES + c.split_tiles - 1) / c.split_tiles); }
+
+// part / nparts: which of the item's KV parts this is (KV_PART_TILES tiles each, see run()); part > 0
+// items write their unnormalised O, l and reference max to `partial` (parts x M x (D + 2) floats from
+// `out0`) instead of the output, and merge_parts() combines them.
 struct Item {
-  int32_t seq, qtile, kvh, h0, nh;
+  int32_t seq, qtile, kvh, h0, nh, part, nparts;
   int64_t cost;
+  int64_t out0;  // first float of this item's first part in the partial buffer (split items)
 };
 
 struct Scratch {
@@ -177,6 +194,12 @@ struct Counts {
   int64_t visited = 0;
   int64_t v_tested = 0, v_skipped = 0;  // for SaCall.counters
 };
+
+// The calling thread's scratch buffers, kept between calls (grown, never shrunk).
+Scratch& thread_scratch() {
+  thread_local Scratch sc;
+  return sc;
+}
 
 inline int64_t block_at(const SaCall& c, int s, int64_t col) {
   if (c.bt_is64) return static_cast<const int64_t*>(c.bt)[s * c.bt_s0 + col * c.bt_s1];
@@ -257,6 +280,15 @@ void store_out_rows(const SaCall& c, const Item& it, int64_t row0, int nr, const
   });
 }
 
+// out = v_scale O / (l + exp(sink - m)) in the query dtype.
+void store_rows(const SaCall& c, const Item& it, int64_t row0, int nr, const float* O, const float* l, const float* mref) {
+  switch (c.dtype) {
+    case 1: store_out_rows<bf16_t>(c, it, row0, nr, O, l, mref); break;
+    case 2: store_out_rows<f16_t>(c, it, row0, nr, O, l, mref); break;
+    default: store_out_rows<float>(c, it, row0, nr, O, l, mref); break;
+  }
+}
+
 #if defined(SA_AMX)
 // The item's bf16 query rows as they are (the softmax scale is applied to S), in the row order of
 // load_q_rows: Qb[(head-in-run, row)][d].
@@ -323,7 +355,8 @@ constexpr bool kInPlace = std::is_same<KVT, float>::value || std::is_same<KVT, b
 // layouts run() checks); every other cache type and layout is converted into the fp32 gather
 // buffers.  Either way the micro-kernels see the same fp32 values, so the outputs are the same.
 template <typename KVT, bool KD, bool VD>
-void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc, Counts& cnt, bool test) {
+void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc, Counts& cnt, bool test,
+              float* partial) {
   static_assert(!(KD || VD) || kInPlace<KVT>, "fp8 caches are not read in place");
   using KB = std::conditional_t<KD, KVT, float>;  // the element type the micro-kernels read K / V as
   using VB = std::conditional_t<VD, KVT, float>;
@@ -392,13 +425,17 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
   TileSlots ts;
   PROF(P_Q);
 
-  for (int step = first_tile; step <= last_tile; ++step) {
-    [[maybe_unused]] bool vpacked = false;  // this tile's V repacked for the tiles (AMX)
-    // step first_tile visits the anchor; the later steps the other tiles in KV order.
-    const int t = step == first_tile ? anchor_tile : (anchor_tile == first_tile ? step : step - 1);
-    const int64_t pos0 = int64_t(t) * TILE_K;
-    const int ntok = int(std::min<int64_t>(TILE_K, kv - pos0));
-    const int npanel = (ntok + PANEL - 1) / PANEL;
+  // The order tiles are visited in: step first_tile visits the anchor, the later steps the other
+  // tiles in KV order.
+  auto tile_of = [&](int step) { return step == first_tile ? anchor_tile : (anchor_tile == first_tile ? step : step - 1); };
+  int64_t pos0 = 0;
+  int ntok = 0, npanel = 0;
+  // Tile t's scores: S = (scale Q) K^T, soft-capped and masked, [M, 64], and each row's maximum
+  // (rowmax).  next: the tile visited after t (decode prefetches its K), or -1.
+  auto tile_scores = [&](int t, int next) {
+    pos0 = int64_t(t) * TILE_K;
+    ntok = int(std::min<int64_t>(TILE_K, kv - pos0));
+    npanel = (ntok + PANEL - 1) / PANEL;
     ts.fill(c, s, pos0, ntok);
     // ---- K as 16-position panels of D rows
     if constexpr (KD) {  // dim-major, 16-aligned pages: in place
@@ -434,9 +471,8 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
     // streams (qk_tile says why).
     const KB* pf = nullptr;
     if constexpr (KD) {
-      if (M < MR && npanel == TILE_K / PANEL && step < last_tile) {
-        const int tn = anchor_tile == first_tile ? step + 1 : step;  // the next tile visited
-        const int64_t pn = int64_t(tn) * TILE_K, col = pn / c.page_size;
+      if (M < MR && npanel == TILE_K / PANEL && next >= 0) {
+        const int64_t pn = int64_t(next) * TILE_K, col = pn / c.page_size;
         if (pn + TILE_K <= kv) pf = kh + block_at(c, s, col) * c.k_sb + (pn - col * c.page_size) * c.k_st;
       }
     }
@@ -480,6 +516,22 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
       rowmax[r] = hmax(m);
     }
     PROF(P_MASK_MAX);
+  };
+
+  // A part of a split item visits its own run of tiles (no window: step = tile); the anchor is in
+  // part 0, so a later part computes only the anchor's scores, for the seed its first tile (a split
+  // boundary, as every part boundary is) restarts the running max from.
+  const int ptiles = part_tiles(c);
+  const int step_lo = it.nparts > 1 ? first_tile + it.part * ptiles : first_tile;
+  const int step_hi = it.nparts > 1 ? std::min(last_tile, step_lo + ptiles - 1) : last_tile;
+  if (step_lo != first_tile && test) {
+    tile_scores(anchor_tile, -1);
+    std::copy(rowmax, rowmax + M, seed);
+  }
+  for (int step = step_lo; step <= step_hi; ++step) {
+    [[maybe_unused]] bool vpacked = false;  // this tile's V repacked for the tiles (AMX)
+    const int t = tile_of(step);
+    tile_scores(t, step < step_hi ? tile_of(step + 1) : -1);
     // ---- the skip rule (per head: every valid row of the query tile votes)
     for (int hh = 0; hh < nh; ++hh) keep[hh] = true;
     if (test) {
@@ -588,13 +640,46 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
 #if defined(SA_AMX)
   if (amx) _tile_release();
 #endif
-  // ---- out = v_scale O / (l + exp(sink - m)) in the query dtype
-  switch (c.dtype) {
-    case 1: store_out_rows<bf16_t>(c, it, qs + r0, nr, O, l, mref); break;
-    case 2: store_out_rows<f16_t>(c, it, qs + r0, nr, O, l, mref); break;
-    default: store_out_rows<float>(c, it, qs + r0, nr, O, l, mref); break;
+  if (it.nparts > 1) {  // a part: its unnormalised state, for merge_parts
+    float* dst = partial + it.out0 + size_t(it.part) * M * (D + 2);
+    std::copy(O, O + size_t(M) * D, dst);
+    std::copy(l, l + M, dst + size_t(M) * D);
+    std::copy(mref, mref + M, dst + size_t(M) * (D + 1));
+  } else {
+    store_rows(c, it, qs + r0, nr, O, l, mref);
   }
   PROF(P_OUT);
+}
+
+// A split item's parts (each O_p, l_p against its own reference max m_p) as one softmax: with m the
+// largest m_p, O = sum_p exp(m_p - m) O_p and l likewise, summed in part order (so the result does not
+// depend on which thread ran which part), then stored as an unsplit item's.  sc: O, l and mref.
+void merge_parts(const SaCall& c, const int64_t* info, const Item& it, const float* partial, Scratch& sc) {
+  const int D = c.head_dim, S = c.num_seqs;
+  const int64_t qs = info[S + it.seq], ql = info[2 * S + it.seq];
+  const int r0 = it.qtile * TILE_Q;
+  const int nr = int(std::min<int64_t>(TILE_Q, ql - r0)), M = it.nh * nr;
+  const size_t stride = size_t(M) * (D + 2);
+  const float* base = partial + it.out0;
+  float *O = sc.o.data(), *l = sc.l.data(), *mref = sc.mref.data();
+  for (int r = 0; r < M; ++r) {
+    float m = NEG_INF;
+    for (int p = 0; p < it.nparts; ++p) m = std::max(m, base[p * stride + size_t(M) * (D + 1) + r]);
+    float* o = O + size_t(r) * D;
+    std::fill(o, o + D, 0.0f);
+    l[r] = 0.0f;
+    mref[r] = m;
+    for (int p = 0; p < it.nparts; ++p) {
+      const float* part = base + p * stride;
+      const float mp = part[size_t(M) * (D + 1) + r];
+      if (mp == NEG_INF) continue;  // the part kept nothing of this row: O_p = 0, l_p = 0
+      const float w = std::exp(mp - m);
+      l[r] += w * part[size_t(M) * D + r];
+      const float* op = part + size_t(r) * D;
+      for (int d = 0; d < D; ++d) o[d] += w * op[d];
+    }
+  }
+  store_rows(c, it, qs + r0, nr, O, l, mref);
 }
 
 // SaCall.counters: one launch's counts under its lambdas (those of sequences with lambda > 0 and query
@@ -648,6 +733,8 @@ int run(const SaCall& c) {
   if (c.skipped) std::fill(c.skipped, c.skipped + int64_t(c.num_counts) * c.num_q_heads, int64_t(0));
   if (c.visited) std::fill(c.visited, c.visited + c.num_q_heads, int64_t(0));
   std::vector<Item> items;
+  const int ptiles = part_tiles(c);
+  int64_t partial_size = 0;  // floats of the split items' part states
   for (int s = 0; s < S; ++s) {
     const int64_t kv = info[s], ql = info[2 * S + s];
     if (ql <= 0) continue;
@@ -657,10 +744,14 @@ int run(const SaCall& c) {
       const int hp = std::max(1, std::min(g, ITEM_ROWS / nr));
       const Rows rows{c.causal ? kv - ql + int64_t(qt) * TILE_Q : kv - 1, kv, c.causal ? c.window : 0, c.causal != 0};
       const int64_t tiles = rows.hi(nr - 1) / TILE_K - rows.lo(0) / TILE_K + 1;
+      const int nparts = nr <= KV_PART_MAX_ROWS && rows.window <= 0 ? int((tiles + ptiles - 1) / ptiles) : 1;
       for (int kvh = 0; kvh < c.num_kv_heads; ++kvh)
         for (int h0 = 0; h0 < g; h0 += hp) {
           const int nh = std::min(hp, g - h0);
-          items.push_back({s, qt, kvh, h0, nh, tiles * nh * nr});
+          for (int p = 0; p < nparts; ++p)
+            items.push_back({s, qt, kvh, h0, nh, p, nparts, std::min<int64_t>(ptiles, tiles - int64_t(p) * ptiles) * nh * nr,
+                             partial_size});
+          if (nparts > 1) partial_size += int64_t(nparts) * nh * nr * (c.head_dim + 2);
         }
     }
   }
@@ -685,13 +776,14 @@ int run(const SaCall& c) {
   for (const Item& it : items) max_rows = std::max(max_rows, it.nh * TILE_Q);
   const int nthreads = std::max(1, std::min<int>(c.num_threads, int(items.size())));
   const int nitems = int(items.size());
+  std::vector<float> partial(static_cast<size_t>(partial_size));
   std::atomic<int> next(0);
   std::atomic<int> status(0);
   const size_t ncount = size_t(c.num_counts) * c.num_q_heads;
 
   auto body = [&](Counts& cnt) {
     try {
-      thread_local Scratch sc;
+      Scratch& sc = thread_scratch();
       sc.reserve(max_rows, c.head_dim);
       cnt.skipped.assign(ncount, 0);
       for (int i = next.fetch_add(1); i < nitems; i = next.fetch_add(1)) {
@@ -703,12 +795,12 @@ int run(const SaCall& c) {
           const bool in_place = std::is_same<KVT, float>::value ||
                                 it.nh * std::min<int64_t>(TILE_Q, info[2 * S + it.seq] - int64_t(it.qtile) * TILE_Q) < MR;
           const bool kd = kdirect && in_place, vd = vdirect && in_place;
-          if (kd && vd) run_item<KVT, true, true>(c, info.data(), it, sc, cnt, test);
-          else if (kd) run_item<KVT, true, false>(c, info.data(), it, sc, cnt, test);
-          else if (vd) run_item<KVT, false, true>(c, info.data(), it, sc, cnt, test);
-          else run_item<KVT, false, false>(c, info.data(), it, sc, cnt, test);
+          if (kd && vd) run_item<KVT, true, true>(c, info.data(), it, sc, cnt, test, partial.data());
+          else if (kd) run_item<KVT, true, false>(c, info.data(), it, sc, cnt, test, partial.data());
+          else if (vd) run_item<KVT, false, true>(c, info.data(), it, sc, cnt, test, partial.data());
+          else run_item<KVT, false, false>(c, info.data(), it, sc, cnt, test, partial.data());
         } else {
-          run_item<KVT, false, false>(c, info.data(), it, sc, cnt, test);
+          run_item<KVT, false, false>(c, info.data(), it, sc, cnt, test, partial.data());
         }
       }
     } catch (const std::bad_alloc&) {
@@ -735,6 +827,12 @@ int run(const SaCall& c) {
     }
   }
   if (status.load()) return status.load();  // kOutOfMemory
+  if (partial_size) {  // the split items, each from its parts (part 0 carries the item)
+    Scratch& sc = thread_scratch();
+    sc.reserve(max_rows, c.head_dim);
+    for (const Item& it : items)
+      if (it.nparts > 1 && it.part == 0) merge_parts(c, info.data(), it, partial.data(), sc);
+  }
   int64_t skipped = 0, visited = 0, v_tested = 0, v_skipped = 0;  // for counters: serving's one lambda
   for (const Counts& cnt : counts) {
     for (size_t i = 0; i < cnt.skipped.size(); ++i) {
