@@ -395,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
                          "config, e.g. 2048:1,8192:1,2048:16 (default: --prompt-len:--num-seqs)")
     ap.add_argument("--dtype", default="float32", help="model dtype for vLLM (default float32)")
     ap.add_argument("--worker-cores", default=None,
-                    help="steps: the cores the in-process engine's OpenMP threads run on, e.g. 0 or 0-1 (default: those "
+                    help="steps: the cores the in-process engine's OpenMP threads run on, one thread each, e.g. 0 or 0-1 (default: those "
                          "`vllm serve`'s CPU worker gets here, every core but one kept for its scheduler; "
                          "compat.launch.served_cpu_worker_env)")
     ap.add_argument("--baseline-tree", default=None, metavar="DIR",
@@ -474,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.decode_timing == "steps":
         # The engine runs in the child's own process, where vLLM binds nothing and torch would take every core;
         # `vllm serve` runs its worker on every core but one (the scheduler's): the same threads here.
-        env.update(launch.served_cpu_worker_env(_cores(args.worker_cores) if args.worker_cores else None))
+        env.update(worker_env(args.worker_cores))
     base = build_model(args, workdir)
     positions = json.loads((base / "config.json").read_text()).get("max_position_embeddings")
     too_long = [length for length, _ in workloads if positions and length + args.decode_tokens + 8 > positions]
@@ -873,6 +873,17 @@ def _cpu_kernel() -> str:
 
     described = re.sub(r"[^\s,()]*/(sparse_attn_cpu-[^\s,()]+)", r"CACHE/\1", cpu_impl.status().describe())
     return f"{cpu_impl.cpu_kernel()} ({described})"
+
+
+def worker_env(worker_cores: str | None) -> dict[str, str]:
+    """The in-process engine's OpenMP environment: one thread on each of ``worker_cores`` (``--worker-cores``),
+    else what `vllm serve`'s CPU worker gets on this machine (every core but one, kept for its scheduler)."""
+    if not worker_cores:
+        from compat import launch
+
+        return launch.served_cpu_worker_env()
+    cores = sorted(set(_cores(worker_cores)))
+    return {"OMP_NUM_THREADS": str(len(cores)), "OMP_PLACES": "{" + ",".join(map(str, cores)) + "}", "OMP_PROC_BIND": "true"}
 
 
 def _cores(spec: str) -> list[int]:

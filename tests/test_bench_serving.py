@@ -204,3 +204,14 @@ def test_report_only_without_an_earlier_runs_outputs_says_so(tmp_path):
     with pytest.raises(SystemExit, match=r"no engine output native\.json in --workdir .* run without --report-only"):
         bench.main(["--report-only", "--workdir", str(tmp_path / "empty"), "--model", str(ckpt),
                     "--workloads", "2048:1"])
+
+
+@pytest.mark.parametrize("cores, threads, places", [("0", "1", "{0}"), ("0-1", "2", "{0,1}"), ("2,0-1", "3", "{0,1,2}")],
+                         ids=["one-core", "range", "list-and-range"])
+def test_worker_cores_are_the_engines_threads_exactly(cores, threads, places):
+    """--worker-cores 0-1 runs the engine's OpenMP threads on cores 0 and 1 (it had kept one back for a scheduler,
+    as `vllm serve` does, so 0-1 ran one thread); without it, what `vllm serve`'s worker gets."""
+    assert bench.worker_env(cores) == {"OMP_NUM_THREADS": threads, "OMP_PLACES": places, "OMP_PROC_BIND": "true"}
+    from compat import launch
+
+    assert bench.worker_env(None) == launch.served_cpu_worker_env()
