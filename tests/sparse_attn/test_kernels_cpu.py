@@ -194,6 +194,7 @@ SPLIT_CASES = {
     # and merged; the rule's counts stay the reference's.
     "decode-kv-parts-split128": ([5000, 2100, 64, 2049], [1, 3, 1, 16], 8, 2, 16, 16, 128),
     "decode-kv-parts-split192-gqa3": ([4000, 2200], [1, 2], 6, 2, 16, 16, 192),
+    "decode-kv-parts-uneven-default-split": ([2049, 6200, SPLIT_K * 4 + 1], [1, 1, 1], 4, 2, 16, 16, None),
 }
 
 

@@ -143,14 +143,22 @@ namespace {
 
 // KV parts: an item of a short query tile (decode, speculative verification: at most KV_PART_MAX_ROWS
 // query rows) without a window, whose KV spans more than one part, runs as one item per part of
-// part_tiles() tiles, the smallest multiple of the rule's split (a split restarts the running max from
-// the seed, so the rule decides each part's tiles alone) of at least KV_PART_MIN_TILES; merge_parts()
+// about part_tiles() tiles (part_range), the smallest multiple of the rule's split (a split restarts the running
+// max from the seed, so the rule decides each part's tiles alone) of at least KV_PART_MIN_TILES; merge_parts()
 // then combines their softmax states.  A decode step has few items (sequences x KV heads), so without
 // parts threads beyond that count had nothing to do, as vLLM's CPU kernel avoids by splitting too.  The
 // parts do not depend on the thread count, so neither do the outputs; a later part recomputes only the
-// anchor tile's Q.K^T (its seed), 1 tile in KV_PART_MIN_TILES.
+// anchor tile's Q.K^T (its seed), 1 tile in 16-32 at the default split.
 constexpr int KV_PART_MIN_TILES = 32, KV_PART_MAX_ROWS = 16;
 inline int part_tiles(const SaCall& c) { return c.split_tiles * ((KV_PART_MIN_TILES + c.split_tiles - 1) / c.split_tiles); }
+
+// Tiles [lo, hi) (from the item's first) of part p of an item's `tiles` KV tiles in nparts parts: whole splits,
+// as even as they go (2049 positions: 16 + 17 tiles, not 32 + 1, whose second part would cost an item for a tile).
+inline void part_range(const SaCall& c, int64_t tiles, int nparts, int p, int64_t& lo, int64_t& hi) {
+  const int64_t st = c.split_tiles, nsplits = (tiles + st - 1) / st;
+  lo = p * nsplits / nparts * st;
+  hi = std::min(tiles, (p + 1) * nsplits / nparts * st);
+}
 
 // part / nparts: which of the item's KV parts this is (KV_PART_TILES tiles each, see run()); part > 0
 // items write their unnormalised O, l and reference max to `partial` (parts x M x (D + 2) floats from
@@ -521,9 +529,13 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
   // A part of a split item visits its own run of tiles (no window: step = tile); the anchor is in
   // part 0, so a later part computes only the anchor's scores, for the seed its first tile (a split
   // boundary, as every part boundary is) restarts the running max from.
-  const int ptiles = part_tiles(c);
-  const int step_lo = it.nparts > 1 ? first_tile + it.part * ptiles : first_tile;
-  const int step_hi = it.nparts > 1 ? std::min(last_tile, step_lo + ptiles - 1) : last_tile;
+  int step_lo = first_tile, step_hi = last_tile;
+  if (it.nparts > 1) {
+    int64_t lo, hi;
+    part_range(c, last_tile - first_tile + 1, it.nparts, it.part, lo, hi);
+    step_lo = first_tile + int(lo);
+    step_hi = first_tile + int(hi) - 1;
+  }
   if (step_lo != first_tile && test) {
     tile_scores(anchor_tile, -1);
     std::copy(rowmax, rowmax + M, seed);
@@ -748,9 +760,11 @@ int run(const SaCall& c) {
       for (int kvh = 0; kvh < c.num_kv_heads; ++kvh)
         for (int h0 = 0; h0 < g; h0 += hp) {
           const int nh = std::min(hp, g - h0);
-          for (int p = 0; p < nparts; ++p)
-            items.push_back({s, qt, kvh, h0, nh, p, nparts, std::min<int64_t>(ptiles, tiles - int64_t(p) * ptiles) * nh * nr,
-                             partial_size});
+          for (int p = 0; p < nparts; ++p) {
+            int64_t lo = 0, hi = tiles;
+            if (nparts > 1) part_range(c, tiles, nparts, p, lo, hi);
+            items.push_back({s, qt, kvh, h0, nh, p, nparts, (hi - lo) * nh * nr, partial_size});
+          }
           if (nparts > 1) partial_size += int64_t(nparts) * nh * nr * (c.head_dim + 2);
         }
     }
