@@ -771,7 +771,7 @@ def steps_report(args, results: dict, workloads, base: Path, started: float, loa
         f"Command: `{cmdline}`", "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores ({_cpu_name()}), ISA {_isa()}; vllm {_version('vllm')}, "
         f"torch {_version('torch')}; plugin CPU kernel: {_cpu_kernel()}; engine worker threads "
-        f"{env_threads(results)}. Load average before "
+        f"{env_threads(results, args.worker_cores)}. Load average before "
         f"{'/'.join(f'{v:.1f}' for v in load_before)}, after {'/'.join(f'{v:.1f}' for v in load_after)}; "
         "per engine at its end: " + ", ".join(f"{n} {'/'.join(f'{v:.1f}' for v in r['load_during'])}" for n, r in results.items()) + ".",
         f"Model: {_describe_model(args, base)}, dtype {args.dtype}. M={args.decode_tokens} decode tokens per sequence, "
@@ -895,12 +895,14 @@ def _cores(spec: str) -> list[int]:
     return cores
 
 
-def env_threads(results: dict) -> str:
-    """The torch threads and OpenMP places each engine ran with (as its child recorded them)."""
+def env_threads(results: dict, worker_cores: str | None = None) -> str:
+    """The torch threads and OpenMP places each engine ran with (as its child recorded them); ``worker_cores``:
+    the ``--worker-cores`` they were given, if any."""
     seen = {tuple(r["worker_threads"]) for r in results.values() if r.get("worker_threads")}
     if len(seen) == 1:
         (threads, places), = seen
-        return f"{threads} on cores {places} (what vllm serve's worker gets here)"
+        why = f"--worker-cores {worker_cores}" if worker_cores else "what vllm serve's worker gets here"
+        return f"{threads} on cores {places} ({why})"
     return ", ".join(f"{n} {r.get('worker_threads')}" for n, r in results.items())
 
 

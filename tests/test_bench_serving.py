@@ -215,3 +215,9 @@ def test_worker_cores_are_the_engines_threads_exactly(cores, threads, places):
     from compat import launch
 
     assert bench.worker_env(None) == launch.served_cpu_worker_env()
+
+
+def test_the_report_says_where_the_worker_threads_came_from():
+    results = {"native": {"worker_threads": [2, "{0,1}"]}, "plugin-dense": {"worker_threads": [2, "{0,1}"]}}
+    assert bench.env_threads(results, "0-1") == "2 on cores {0,1} (--worker-cores 0-1)"
+    assert bench.env_threads(results) == "2 on cores {0,1} (what vllm serve's worker gets here)"
