@@ -28,6 +28,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <new>
 #include <type_traits>
 #include <vector>
@@ -790,7 +791,8 @@ int run(const SaCall& c) {
   for (const Item& it : items) max_rows = std::max(max_rows, it.nh * TILE_Q);
   const int nthreads = std::max(1, std::min<int>(c.num_threads, int(items.size())));
   const int nitems = int(items.size());
-  std::vector<float> partial(static_cast<size_t>(partial_size));
+  // Uninitialised (no fill of a batch's worth of part states per layer): every part writes its whole slot.
+  const std::unique_ptr<float[]> partial(partial_size ? new float[size_t(partial_size)] : nullptr);
   std::atomic<int> next(0);
   std::atomic<int> status(0);
   const size_t ncount = size_t(c.num_counts) * c.num_q_heads;
@@ -809,12 +811,12 @@ int run(const SaCall& c) {
           const bool in_place = std::is_same<KVT, float>::value ||
                                 it.nh * std::min<int64_t>(TILE_Q, info[2 * S + it.seq] - int64_t(it.qtile) * TILE_Q) < MR;
           const bool kd = kdirect && in_place, vd = vdirect && in_place;
-          if (kd && vd) run_item<KVT, true, true>(c, info.data(), it, sc, cnt, test, partial.data());
-          else if (kd) run_item<KVT, true, false>(c, info.data(), it, sc, cnt, test, partial.data());
-          else if (vd) run_item<KVT, false, true>(c, info.data(), it, sc, cnt, test, partial.data());
-          else run_item<KVT, false, false>(c, info.data(), it, sc, cnt, test, partial.data());
+          if (kd && vd) run_item<KVT, true, true>(c, info.data(), it, sc, cnt, test, partial.get());
+          else if (kd) run_item<KVT, true, false>(c, info.data(), it, sc, cnt, test, partial.get());
+          else if (vd) run_item<KVT, false, true>(c, info.data(), it, sc, cnt, test, partial.get());
+          else run_item<KVT, false, false>(c, info.data(), it, sc, cnt, test, partial.get());
         } else {
-          run_item<KVT, false, false>(c, info.data(), it, sc, cnt, test, partial.data());
+          run_item<KVT, false, false>(c, info.data(), it, sc, cnt, test, partial.get());
         }
       }
     } catch (const std::bad_alloc&) {
@@ -845,7 +847,7 @@ int run(const SaCall& c) {
     Scratch& sc = thread_scratch();
     sc.reserve(max_rows, c.head_dim);
     for (const Item& it : items)
-      if (it.nparts > 1 && it.part == 0) merge_parts(c, info.data(), it, partial.data(), sc);
+      if (it.nparts > 1 && it.part == 0) merge_parts(c, info.data(), it, partial.get(), sc);
   }
   int64_t skipped = 0, visited = 0, v_tested = 0, v_skipped = 0;  // for counters: serving's one lambda
   for (const Counts& cnt : counts) {
