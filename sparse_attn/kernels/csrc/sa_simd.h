@@ -287,7 +287,13 @@ inline V16 load16(const float* p) { return {_mm512_loadu_ps(p)}; }
 // a 16-bit cache in place with these, so no fp32 copy of a tile is written and read back.
 inline V16 load16(const bf16_t* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+#if defined(__AVX512BW__)
+  const __m512i idx = _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0,
+                                       7, 0, 6, 0, 5, 0, 4, 0, 3, 0, 2, 0, 1, 0, 0, 0);
+  return {_mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, idx, _mm512_castsi256_si512(h)))};
+#else
   return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+#endif
 }
 inline V16 load16(const f16_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
 inline void store16(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }

@@ -218,12 +218,22 @@ inline int64_t block_at(const SaCall& c, int s, int64_t col) {
 // Where positions pos0 .. pos0+n-1 of sequence s live: block id and offset in the page of
 // each, walking the block table with one division per tile instead of one per position.
 struct TileSlots {
+  // A tile inside one page (vLLM's CPU page of 128 holds two whole tiles) is one block and a run of
+  // offsets: no per-position entries, which cost about as many instructions per decode tile as a
+  // quarter of its Q.K^T and P.V.  A tile across pages lists each position's block and offset.
   int64_t blk[TILE_K];
   int32_t off[TILE_K];
+  int64_t b0 = 0;
+  int32_t o0 = 0;
+  bool one_page = false;
   void fill(const SaCall& c, int s, int64_t pos0, int n) {
     int64_t col = pos0 / c.page_size;
     int32_t o = int32_t(pos0 - col * c.page_size);
     int64_t b = block_at(c, s, col);
+    b0 = b;
+    o0 = o;
+    one_page = o + n <= c.page_size;
+    if (one_page) return;
     for (int j = 0; j < n; ++j) {
       blk[j] = b;
       off[j] = o;
@@ -233,6 +243,8 @@ struct TileSlots {
       }
     }
   }
+  int64_t block(int j) const { return one_page ? b0 : blk[j]; }
+  int32_t offset(int j) const { return one_page ? o0 + j : off[j]; }
 };
 
 // Row i of an item sees KV positions [lo(i), hi(i)]: hi = lim0 + i (causal) or kv - 1; lo =
@@ -319,14 +331,14 @@ void repack_k(const SaCall& c, const bf16_t* kh, const TileSlots& ts, int ntok, 
   std::fill(kpack, kpack + size_t(D) * TILE_K, uint16_t(0));
   if (c.k_st == 1 && c.page_size % PANEL == 0) {  // dim-major runs of 16 positions: 16 pairs a store
     for (int p = 0; p < npanel; ++p) {
-      const uint16_t* src = reinterpret_cast<const uint16_t*>(kh + ts.blk[p * PANEL] * c.k_sb + ts.off[p * PANEL]);
+      const uint16_t* src = reinterpret_cast<const uint16_t*>(kh + ts.block(p * PANEL) * c.k_sb + ts.offset(p * PANEL));
       for (int kk = 0; kk < D / 2; ++kk)
         _mm512_storeu_si512(kpack + size_t(kk) * 2 * TILE_K + 2 * PANEL * p,
                             pair16(src + 2 * kk * c.k_sd, src + (2 * kk + 1) * c.k_sd));
     }
   } else {
     for (int j = 0; j < ntok; ++j) {
-      const bf16_t* src = kh + ts.blk[j] * c.k_sb + ts.off[j] * c.k_st;
+      const bf16_t* src = kh + ts.block(j) * c.k_sb + ts.offset(j) * c.k_st;
       for (int d = 0; d < D; ++d) kpack[size_t(d / 2) * 2 * TILE_K + 2 * j + (d & 1)] = src[d * c.k_sd].x;
     }
   }
@@ -336,7 +348,7 @@ void repack_k(const SaCall& c, const bf16_t* kh, const TileSlots& ts, int ntok, 
 // 0 there, but 0 times a NaN in an unused slot would not be).  zrow: D zeros.
 void repack_v(const SaCall& c, const bf16_t* vh, const TileSlots& ts, int ntok, int D, const uint16_t* zrow, uint16_t* vpack) {
   auto row = [&](int j) -> const uint16_t* {
-    return j < ntok ? reinterpret_cast<const uint16_t*>(vh + ts.blk[j] * c.v_sb + ts.off[j] * c.v_st) : zrow;
+    return j < ntok ? reinterpret_cast<const uint16_t*>(vh + ts.block(j) * c.v_sb + ts.offset(j) * c.v_st) : zrow;
   };
   for (int tt = 0; tt < TILE_K / 2; ++tt) {
     uint16_t* dst = vpack + size_t(tt) * 2 * D;
@@ -347,7 +359,7 @@ void repack_v(const SaCall& c, const bf16_t* vh, const TileSlots& ts, int ntok, 
       for (int e = 0; e < 2; ++e) {
         const int j = 2 * tt + e;
         for (int d = 0; d < D; ++d)
-          dst[2 * d + e] = j < ntok ? (vh + ts.blk[j] * c.v_sb + ts.off[j] * c.v_st)[d * c.v_sd].x : uint16_t(0);
+          dst[2 * d + e] = j < ntok ? (vh + ts.block(j) * c.v_sb + ts.offset(j) * c.v_st)[d * c.v_sd].x : uint16_t(0);
       }
     }
   }
@@ -449,7 +461,7 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
     // ---- K as 16-position panels of D rows
     if constexpr (KD) {  // dim-major, 16-aligned pages: in place
       ldk = c.k_sd;
-      for (int p = 0; p < npanel; ++p) kpanel[p] = kh + ts.blk[p * PANEL] * c.k_sb + ts.off[p * PANEL] * c.k_st;
+      for (int p = 0; p < npanel; ++p) kpanel[p] = kh + ts.block(p * PANEL) * c.k_sb + ts.offset(p * PANEL) * c.k_st;
     } else {
 #if defined(SA_AMX)
       if constexpr (kAmxType)
@@ -461,12 +473,12 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
         // every row on tiles: no fp32 copy of K
       } else if (c.k_st == 1 && c.page_size % PANEL == 0) {  // dim-major runs of 16 positions
         for (int p = 0; p < npanel; ++p) {
-          const KVT* src = kh + ts.blk[p * PANEL] * c.k_sb + ts.off[p * PANEL];
+          const KVT* src = kh + ts.block(p * PANEL) * c.k_sb + ts.offset(p * PANEL);
           for (int d = 0; d < D; ++d) convert_run(src + d * c.k_sd, kb + d * TILE_K + p * PANEL, PANEL);
         }
       } else {
         for (int j = 0; j < ntok; ++j) {
-          const KVT* src = kh + ts.blk[j] * c.k_sb + ts.off[j] * c.k_st;
+          const KVT* src = kh + ts.block(j) * c.k_sb + ts.offset(j) * c.k_st;
           for (int d = 0; d < D; ++d) kb[d * TILE_K + j] = to_f32(src[d * c.k_sd]);
         }
         for (int d = 0; d < D; ++d)
@@ -632,11 +644,16 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
     if (nkept == 0) continue;
     // ---- V rows (token-major)
     if constexpr (VD) {
-      for (int j = 0; j < ntok; ++j) vrows[j] = vh + ts.blk[j] * c.v_sb + ts.off[j] * c.v_st;
+      if (ts.one_page) {
+        const VB* v0 = vh + ts.b0 * c.v_sb + ts.o0 * c.v_st;
+        for (int j = 0; j < ntok; ++j) vrows[j] = v0 + j * c.v_st;
+      } else {
+        for (int j = 0; j < ntok; ++j) vrows[j] = vh + ts.block(j) * c.v_sb + ts.offset(j) * c.v_st;
+      }
     } else {
       float* vb = sc.vbuf.data();
       for (int j = 0; j < ntok; ++j) {
-        const KVT* src = vh + ts.blk[j] * c.v_sb + ts.off[j] * c.v_st;
+        const KVT* src = vh + ts.block(j) * c.v_sb + ts.offset(j) * c.v_st;
         if (c.v_sd == 1) {
           convert_run(src, vb + j * D, D);
         } else {
