@@ -130,4 +130,23 @@ inline void amx_round_p16(const float* P, uint16_t* Pb) {
     }
 }
 
+// Two adjacent 16-element bf16 rows a = p[0:16], b = p[16:32] as one VNNI row (a[i], b[i]): one
+// load and one permute (a K panel's dims 2kk and 2kk + 1 are adjacent in the cpu-packed page).
+inline __m512i pair16_adjacent(const uint16_t* p) {
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                       23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(idx, _mm512_loadu_si512(p));
+}
+
+// Rows a and b, 32 elements each, as two VNNI rows: lo = (a[i], b[i]) for i < 16, hi for 16 <= i < 32.
+inline void pair32(const uint16_t* a, const uint16_t* b, __m512i& lo, __m512i& hi) {
+  const __m512i ilo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                       39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i ihi = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24,
+                                       55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
+  const __m512i va = _mm512_loadu_si512(a), vb = _mm512_loadu_si512(b);
+  lo = _mm512_permutex2var_epi16(va, ilo, vb);
+  hi = _mm512_permutex2var_epi16(va, ihi, vb);
+}
+
 }  // namespace sa

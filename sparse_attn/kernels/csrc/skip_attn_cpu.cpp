@@ -328,15 +328,23 @@ void load_q_bits(const SaCall& c, const Item& it, int64_t row0, int nr, uint16_t
 // kpack[kk][j][e] = K[2 kk + e][position j of the tile] (D / 2 rows of 64 pairs), positions past
 // the tile's ntok zero.  kh: this KV head's cache.
 void repack_k(const SaCall& c, const bf16_t* kh, const TileSlots& ts, int ntok, int npanel, int D, uint16_t* kpack) {
-  std::fill(kpack, kpack + size_t(D) * TILE_K, uint16_t(0));
   if (c.k_st == 1 && c.page_size % PANEL == 0) {  // dim-major runs of 16 positions: 16 pairs a store
+    if (npanel * PANEL < TILE_K)  // the panels past the sequence end: zeros (their scores are masked)
+      for (int kk = 0; kk < D / 2; ++kk)
+        std::fill(kpack + size_t(kk) * 2 * TILE_K + 2 * PANEL * npanel, kpack + size_t(kk + 1) * 2 * TILE_K, uint16_t(0));
     for (int p = 0; p < npanel; ++p) {
       const uint16_t* src = reinterpret_cast<const uint16_t*>(kh + ts.block(p * PANEL) * c.k_sb + ts.offset(p * PANEL));
-      for (int kk = 0; kk < D / 2; ++kk)
-        _mm512_storeu_si512(kpack + size_t(kk) * 2 * TILE_K + 2 * PANEL * p,
-                            pair16(src + 2 * kk * c.k_sd, src + (2 * kk + 1) * c.k_sd));
+      if (c.k_sd == PANEL) {  // the cpu-packed page: dims 2 kk and 2 kk + 1 are one 64-byte run
+        for (int kk = 0; kk < D / 2; ++kk)
+          _mm512_storeu_si512(kpack + size_t(kk) * 2 * TILE_K + 2 * PANEL * p, pair16_adjacent(src + 2 * kk * PANEL));
+      } else {
+        for (int kk = 0; kk < D / 2; ++kk)
+          _mm512_storeu_si512(kpack + size_t(kk) * 2 * TILE_K + 2 * PANEL * p,
+                              pair16(src + 2 * kk * c.k_sd, src + (2 * kk + 1) * c.k_sd));
+      }
     }
   } else {
+    std::fill(kpack, kpack + size_t(D) * TILE_K, uint16_t(0));
     for (int j = 0; j < ntok; ++j) {
       const bf16_t* src = kh + ts.block(j) * c.k_sb + ts.offset(j) * c.k_st;
       for (int d = 0; d < D; ++d) kpack[size_t(d / 2) * 2 * TILE_K + 2 * j + (d & 1)] = src[d * c.k_sd].x;
@@ -354,7 +362,14 @@ void repack_v(const SaCall& c, const bf16_t* vh, const TileSlots& ts, int ntok, 
     uint16_t* dst = vpack + size_t(tt) * 2 * D;
     if (c.v_sd == 1) {
       const uint16_t *a = row(2 * tt), *b = row(2 * tt + 1);
-      for (int d = 0; d < D; d += 16) _mm512_storeu_si512(dst + 2 * d, pair16(a + d, b + d));
+      int d = 0;
+      for (; d + 32 <= D; d += 32) {  // two permutes for 32 pairs
+        __m512i lo, hi;
+        pair32(a + d, b + d, lo, hi);
+        _mm512_storeu_si512(dst + 2 * d, lo);
+        _mm512_storeu_si512(dst + 2 * d + 32, hi);
+      }
+      for (; d < D; d += 16) _mm512_storeu_si512(dst + 2 * d, pair16(a + d, b + d));
     } else {
       for (int e = 0; e < 2; ++e) {
         const int j = 2 * tt + e;
