@@ -33,6 +33,7 @@ CASES = [  # name, sequences, KV length, query length, Hq, Hkv, D
     ("smol-prefill-2k", 1, 2048, 2048, 9, 3, 64),
     ("smol-prefill-8k-last-2k", 1, 8192, 2048, 9, 3, 64),
     ("smol-decode-4x2k", 4, 2048, 1, 9, 3, 64),
+    ("smol-decode-16x2k", 16, 2048, 1, 9, 3, 64),  # the serving table's 2048 x 16 decode
     ("smol-decode-4x8k", 4, 8192, 1, 9, 3, 64),
     ("smol-decode-1x8k", 1, 8192, 1, 9, 3, 64),  # 3 KV heads: fewer items than threads without KV parts
     ("prefill-16k-chunk-1k", 1, 16384, 1024, 8, 2, 128),

@@ -131,7 +131,7 @@ inline void amx_round_p16(const float* P, uint16_t* Pb) {
 }
 
 // Two adjacent 16-element bf16 rows a = p[0:16], b = p[16:32] as one VNNI row (a[i], b[i]): one
-// load and one permute (a K panel's dims 2kk and 2kk + 1 are adjacent in the cpu-packed page).
+// load and one permute (a K panel's dims 2kk and 2kk + 1 are adjacent in a page of 16 positions).
 inline __m512i pair16_adjacent(const uint16_t* p) {
   const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                        23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);

@@ -334,7 +334,7 @@ void repack_k(const SaCall& c, const bf16_t* kh, const TileSlots& ts, int ntok, 
         std::fill(kpack + size_t(kk) * 2 * TILE_K + 2 * PANEL * npanel, kpack + size_t(kk + 1) * 2 * TILE_K, uint16_t(0));
     for (int p = 0; p < npanel; ++p) {
       const uint16_t* src = reinterpret_cast<const uint16_t*>(kh + ts.block(p * PANEL) * c.k_sb + ts.offset(p * PANEL));
-      if (c.k_sd == PANEL) {  // the cpu-packed page: dims 2 kk and 2 kk + 1 are one 64-byte run
+      if (c.k_sd == PANEL) {  // pages of 16 positions: dims 2 kk and 2 kk + 1 are one 64-byte run
         for (int kk = 0; kk < D / 2; ++kk)
           _mm512_storeu_si512(kpack + size_t(kk) * 2 * TILE_K + 2 * PANEL * p, pair16_adjacent(src + 2 * kk * PANEL));
       } else {
