@@ -219,8 +219,9 @@ inline int64_t block_at(const SaCall& c, int s, int64_t col) {
 // each, walking the block table with one division per tile instead of one per position.
 struct TileSlots {
   // A tile inside one page (vLLM's CPU page of 128 holds two whole tiles) is one block and a run of
-  // offsets: no per-position entries, which cost about as many instructions per decode tile as a
-  // quarter of its Q.K^T and P.V.  A tile across pages lists each position's block and offset.
+  // offsets: no per-position entries (listing them, and V's row pointers from them, took 6 % and
+  // 4-6 % of a bf16 decode tile, benchmarks/profile_cpu_kernel.py).  A tile across pages lists each
+  // position's block and offset.
   int64_t blk[TILE_K];
   int32_t off[TILE_K];
   int64_t b0 = 0;
