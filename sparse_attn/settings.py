@@ -34,7 +34,7 @@ __all__ = ["CPU_ISA_CHOICES", "CPU_KERNEL_CHOICES", "VARIABLES", "get"]
 #: ``SPARSE_ATTN_CPU_KERNEL`` values (``sparse_attn.kernels.cpu_impl.cpu_kernel`` applies them).
 CPU_KERNEL_CHOICES: tuple[str, ...] = ("auto", "compiled", "torch")
 #: ``SPARSE_ATTN_CPU_ISA`` values (``sparse_attn.kernels.cpu_build.cpu_isa`` applies them).
-CPU_ISA_CHOICES: tuple[str, ...] = ("auto", "amx", "avx512", "avx2", "generic")
+CPU_ISA_CHOICES: tuple[str, ...] = ("auto", "amx", "avx512bf16", "avx512", "avx2", "generic")
 _FLAG_CHOICES = ", ".join(FLAG_FALSE[:1] + FLAG_TRUE[:1])
 
 
@@ -72,8 +72,9 @@ VARIABLES: tuple[EnvVar, ...] = (
         name="SPARSE_ATTN_CPU_ISA",
         default="auto",
         doc=(
-            "Which instruction set the compiled CPU kernel is built for: `amx` (`avx512` plus AMX-BF16 tiles for a "
-            "bf16 cache's prefill, as vLLM's own bf16 attention on such CPUs), `avx512` (512-bit matrix micro-kernels, "
+            "Which instruction set the compiled CPU kernel is built for: `amx` (`avx512bf16` with AMX-BF16 tiles for "
+            "a bf16 cache's prefill, as vLLM's own bf16 attention on such CPUs), `avx512bf16` (`avx512` plus "
+            "AVX512-BF16 pair dot products for a bf16 cache's prefill), `avx512` (512-bit matrix micro-kernels, "
             "outputs bit-identical to `avx2`), `avx2` (AVX2 + FMA + F16C), `generic` (portable vector code), or "
             "`auto` (the widest this CPU runs). Pin `avx2` where 512-bit code lowers the clock; an ISA the CPU "
             "lacks is refused."

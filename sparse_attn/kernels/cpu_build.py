@@ -35,7 +35,7 @@ import torch
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "skip_attn_cpu.cpp"
 #: Headers the source includes (part of the cache key).
-HEADERS = ("sa_simd.h", "sa_kernels.h", "sa_amx.h")
+HEADERS = ("sa_simd.h", "sa_kernels.h", "sa_bf16.h", "sa_amx.h")
 #: The C ABI (``kAbiVersion`` in the source); :class:`SaCall` and the tile sizes are checked
 #: against the library's own ``sa_layout`` when it is opened.
 ABI_VERSION = 7
@@ -96,12 +96,14 @@ class Built:
     build_s: float | None
 
 
-#: Build targets, widest first: ``amx`` (``avx512`` plus AMX-BF16 tiles for the Q.K^T and P.V of a bf16 cache's
-#: items of 16 rows or more, i.e. prefill: csrc/sa_amx.h; every other item is the ``avx512`` code), ``avx512``
-#: (AVX2 + FMA + F16C + AVX-512F: 512-bit matrix micro-kernels, outputs bit-identical to ``avx2``), ``avx2``,
-#: ``generic`` (the same code on GCC/Clang vector types the compiler lowers).
-ISAS: tuple[str, ...] = ("amx", "avx512", "avx2", "generic")
-_ISA_CPU_FLAGS = {"amx": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16"},
+#: Build targets, widest first: ``amx`` (``avx512bf16`` plus AMX-BF16 tiles for the pair products, where the OS
+#: grants them: csrc/sa_amx.h), ``avx512bf16`` (``avx512`` plus AVX512-BF16 dot products for the Q.K^T and P.V
+#: of a bf16 cache's items of 16 rows or more, i.e. prefill: csrc/sa_bf16.h; every other item is the ``avx512``
+#: code), ``avx512`` (AVX2 + FMA + F16C + AVX-512F: 512-bit matrix micro-kernels, outputs bit-identical to
+#: ``avx2``), ``avx2``, ``generic`` (the same code on GCC/Clang vector types the compiler lowers).
+ISAS: tuple[str, ...] = ("amx", "avx512bf16", "avx512", "avx2", "generic")
+_BF16_FLAGS = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16"}
+_ISA_CPU_FLAGS = {"amx": _BF16_FLAGS | {"amx_tile", "amx_bf16"}, "avx512bf16": _BF16_FLAGS,
                   "avx512": {"avx2", "fma", "f16c", "avx512f"}, "avx2": {"avx2", "fma", "f16c"}, "generic": set()}
 
 
@@ -139,8 +141,9 @@ def cpu_isa() -> str:
 
 
 def isa_flags(isa: str, profile: bool = False) -> tuple[str, ...]:
-    flags = {"amx": ("-DSA_AVX2", "-DSA_AVX512", "-DSA_AMX", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw",
-                     "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+    bf16 = ("-DSA_AVX2", "-DSA_AVX512", "-DSA_BF16DP", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw",
+            "-mavx512bf16")
+    flags = {"amx": bf16 + ("-DSA_AMX", "-mamx-tile", "-mamx-bf16"), "avx512bf16": bf16,
              "avx512": ("-DSA_AVX2", "-DSA_AVX512", "-mavx2", "-mfma", "-mf16c", "-mavx512f"),
              "avx2": ("-DSA_AVX2", "-mavx2", "-mfma", "-mf16c")}.get(isa, ())
     return flags + (("-DSA_PROFILE",) if profile else ())

@@ -36,7 +36,7 @@ class Status:
     """Whether the compiled kernel serves in this process: ``available``, and either its
     ``target`` (one of ``cpu_build.ISAS``) / ``path`` / ``build_s`` (seconds this process spent
     compiling; None = cached) / ``tiles`` (the ``amx`` build: whether the OS granted the AMX tiles,
-    without which it runs the ``avx512`` code) or the ``reason`` it is not available."""
+    without which it runs the ``avx512bf16`` code) or the ``reason`` it is not available."""
 
     available: bool
     target: str | None = None
@@ -51,7 +51,9 @@ class Status:
         how = "cached" if self.build_s is None else f"built in {self.build_s:.1f} s"
         target = self.target
         if target == "amx":
-            target += " tiles for bf16 prefill" if self.tiles else " build, tiles refused by the OS: avx512 code"
+            target += " tiles for bf16 prefill" if self.tiles else " build, tiles refused by the OS: avx512bf16 code"
+        elif target == "avx512bf16":
+            target += " dot products for bf16 prefill"
         return f"compiled ({target}, {how}, {self.path})"
 
 

@@ -118,9 +118,9 @@ def test_dense_matches_float64_reference(case, layout, dtype):
 def test_half_precision_output_is_the_rounded_fp32_result(monkeypatch, layout, dtype):
     """bf16/fp16 inputs are read exactly (upcast) and accumulated in fp32: the output is
     torch's round-to-nearest-even of the fp32 kernel on the upcast inputs, bit for bit.  (The
-    ``amx`` build's bf16 prefill runs on tiles, which round P to bf16: held by the AMX tests below;
-    here its avx512 code, which it runs for everything else.)"""
-    if dtype == "bf16" and cpu_impl.status().target == "amx":
+    ``avx512bf16`` and ``amx`` builds' bf16 prefill runs on pair products, which round P to bf16: held by
+    the pair-product tests below; here their avx512 code, which they run for everything else.)"""
+    if dtype == "bf16" and cpu_impl.status().target in ("amx", "avx512bf16"):
         monkeypatch.setitem(cpu_impl._state, "lib", cpu_build.load(isa="avx512").lib)
     batch = add_sink_token(make_batch([290, 40], [100, 1], 6, 2, 32, 32, layout=layout, dtype=DTYPES[dtype], seed=4))
     up = dataclasses.replace(batch, query=batch.query.float(), key_cache=batch.key_cache.float(),
@@ -508,80 +508,91 @@ def test_avx512_build_is_bit_identical_to_the_avx2_build(monkeypatch, case, dtyp
     assert sk512.tolist() == sk2.tolist() and vis512.tolist() == vis2.tolist() and int(sk2.sum()) > 0
 
 
-# --------------------------------------------------------------------------- the AMX build
+# ------------------------------------------------------ the pair-product builds: avx512bf16 and amx
 
-def _amx_and_avx512_libs():
+def _pair_and_avx512_libs(build):
+    """The ``build`` library (``avx512bf16``: AVX512-BF16 dot products; ``amx``: AMX tiles) and the avx512
+    one, or a skip where this CPU runs neither (a CPU that has the flags runs the test: it fails, not skips)."""
     have = cpu_build.supported_isas()
-    if "amx" not in have:
-        pytest.skip(f"this CPU runs {', '.join(have)}: no AMX-BF16 tiles")
-    amx = cpu_build.load(isa="amx")
-    assert amx.target == "amx" and amx.lib.sa_isa().decode() == "amx"
-    if not amx.lib.sa_tiles():
+    if build not in have:
+        pytest.skip(f"this CPU runs {', '.join(have)}: no {build} build")
+    lib = cpu_build.load(isa=build)
+    assert lib.target == build and lib.lib.sa_isa().decode() == build
+    if build == "amx" and not lib.lib.sa_tiles():
         pytest.skip("the OS did not grant this process the AMX tile state")
-    return amx.lib, cpu_build.load(isa="avx512").lib
+    return lib.lib, cpu_build.load(isa="avx512").lib
 
 
-#: bf16 cases with head sizes the tiles take (D % 32 == 0) and items of >= 16 rows, some with rows left over
-#: for the fp32 micro-kernels (a 36-row query tile of 3 heads: 96 rows on tiles, 12 not).
-AMX_CASES = ["prefill-gqa3-page128-d64", "mixed-ragged-gqa2-page16", "prefill-1seq-gqa1-page16"]
+#: bf16 cases with head sizes the pair products take (D % 32 == 0) and items of >= 16 rows, some with rows left
+#: over for the fp32 micro-kernels (a 36-row query tile of 3 heads: 96 rows on pair products, 12 not).
+PAIR_CASES = ["prefill-gqa3-page128-d64", "mixed-ragged-gqa2-page16", "prefill-1seq-gqa1-page16"]
+PAIR_BUILDS = ["avx512bf16", "amx"]
 
 
+@pytest.mark.parametrize("build", PAIR_BUILDS)
 @pytest.mark.parametrize("layout", ["cpu_packed", "contiguous", "packed_kv"])
-@pytest.mark.parametrize("case", AMX_CASES)
-def test_amx_build_runs_bf16_prefill_on_tiles_within_bf16_rounding_of_float64(monkeypatch, case, layout):
-    """Tiles multiply bf16 Q and K, and P rounded to bf16 with V, into fp32 (what vLLM's AMX kernel does): not
-    bit-identical to the fp32 micro-kernels, so held to the float64 reference at the bf16 tolerance, dense and
-    sparse, with a NaN in every cache slot no sequence owns (a repacked tile must not carry one into P.V)."""
-    amx, avx512 = _amx_and_avx512_libs()
+@pytest.mark.parametrize("case", PAIR_CASES)
+def test_pair_builds_run_bf16_prefill_within_bf16_rounding_of_float64(monkeypatch, case, layout, build):
+    """Pair products (AVX512-BF16 dot products, or AMX tiles) multiply bf16 Q and K, and P rounded to bf16 with V,
+    into fp32 (what vLLM's AMX kernel does): not bit-identical to the fp32 micro-kernels, so held to the float64
+    reference at the bf16 tolerance, dense and sparse, with a NaN in every cache slot no sequence owns (a
+    repacked tile must not carry one into P.V)."""
+    pairs, avx512 = _pair_and_avx512_libs(build)
     kv_lens, q_lens, hq, hkv, d, page = CASES[case]
     batch = add_sink_token(make_batch(kv_lens, q_lens, hq, hkv, d, page, layout=layout, dtype=torch.bfloat16, seed=3))
     scale = 2.0 * d ** -0.5
     outs = {}
-    for name, lib in (("amx", amx), ("avx512", avx512)):
+    for name, lib in (("pairs", pairs), ("avx512", avx512)):
         monkeypatch.setitem(cpu_impl._state, "lib", lib)
         outs[name] = [_run(batch, scale, threshold=lam, return_counts=True) for lam in (0.0, 0.9)]
-    for lam, (out, sk, vis) in zip((0.0, 0.9), outs["amx"]):
+    for lam, (out, sk, vis) in zip((0.0, 0.9), outs["pairs"]):
         ref, skipped, visited, _ = cached_reference((case, "bf16", "sink-3", lam), batch, scale, lam=lam)
         assert not out.isnan().any()
         torch.testing.assert_close(out.double(), ref, **TOL["bf16"])
         assert vis.tolist() == visited.tolist()
         if lam:
             assert int(sk.sum()) > 0
-    # the tiles ran: bf16 prefill is not the fp32 micro-kernels' result bit for bit
-    assert not torch.equal(outs["amx"][0][0], outs["avx512"][0][0])
+    # the pair products ran: bf16 prefill is not the fp32 micro-kernels' result bit for bit
+    assert not torch.equal(outs["pairs"][0][0], outs["avx512"][0][0])
 
 
+@pytest.mark.parametrize("build", PAIR_BUILDS)
 @pytest.mark.parametrize("case, dtype", [
     ("prefill-gqa3-page128-d64", "fp32"), ("prefill-gqa3-page128-d64", "fp16"),
     ("decode-ragged-mqa8-page16", "bf16"),   # decode: fewer than 16 rows an item
     ("mixed-gqa3-page64-d24", "bf16"),       # D % 32 != 0
     ("chunked-prefill-gqa4-page32", "bf16"),  # D = 16
 ])
-def test_amx_build_is_the_avx512_build_where_no_tile_runs(monkeypatch, case, dtype):
-    """Tiles serve only bf16 items of >= 16 rows with D % 32 == 0; everything else is the avx512 code, bit for bit."""
-    amx, avx512 = _amx_and_avx512_libs()
+def test_pair_builds_are_the_avx512_build_where_no_pair_product_runs(monkeypatch, case, dtype, build):
+    """Pair products serve only bf16 items of >= 16 rows with D % 32 == 0; everything else is the avx512 code, bit
+    for bit."""
+    pairs, avx512 = _pair_and_avx512_libs(build)
     kv_lens, q_lens, hq, hkv, d, page = CASES[case]
     layout = "cpu_packed" if page % 16 == 0 else "packed_kv"
     batch = add_sink_token(make_batch(kv_lens, q_lens, hq, hkv, d, page, layout=layout, dtype=DTYPES[dtype], seed=3))
     results = {}
-    for name, lib in (("amx", amx), ("avx512", avx512)):
+    for name, lib in (("pairs", pairs), ("avx512", avx512)):
         monkeypatch.setitem(cpu_impl._state, "lib", lib)
         results[name] = _run(batch, 2.0 * d ** -0.5, threshold=0.9, return_counts=True)
-    (oa, ska, visa), (ob, skb, visb) = results["amx"], results["avx512"]
+    (oa, ska, visa), (ob, skb, visb) = results["pairs"], results["avx512"]
     assert torch.equal(oa, ob) and ska.tolist() == skb.tolist() and visa.tolist() == visb.tolist()
 
 
 @pytest.mark.parametrize("flags, pinned, expected", [
     ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16"}, None, "amx"),
     ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16"}, "avx512", "avx512"),
+    ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16"}, "avx512bf16", "avx512bf16"),
     ({"avx2", "fma", "f16c", "avx512f", "amx_tile"}, None, "avx512"),
+    ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16"}, None, "avx512bf16"),
+    ({"avx2", "fma", "f16c", "avx512f", "avx512_bf16"}, None, "avx512"),
     ({"avx2", "fma", "f16c", "avx512f"}, None, "avx512"),
     ({"avx2", "fma", "f16c", "avx512f"}, "avx2", "avx2"),
     ({"avx2", "fma", "f16c", "avx512f"}, "generic", "generic"),
     ({"avx2", "fma", "f16c"}, "auto", "avx2"),
     ({"avx2", "fma"}, None, "generic"),
     (set(), None, "generic"),
-], ids=["amx-auto", "amx-pinned-avx512", "amx-tile-without-bf16", "avx512-auto", "avx512-pinned-avx2",
+], ids=["amx-auto", "amx-pinned-avx512", "amx-pinned-avx512bf16", "amx-tile-without-bf16", "avx512bf16-auto",
+        "bf16-without-avx512bw", "avx512-auto", "avx512-pinned-avx2",
         "avx512-pinned-generic", "avx2-auto", "no-f16c", "not-x86"])
 def test_isa_is_the_widest_this_cpu_runs_unless_pinned(monkeypatch, flags, pinned, expected):
     monkeypatch.setattr(cpu_build, "cpu_flags", lambda: set(flags))
@@ -605,7 +616,7 @@ def test_an_isa_pinned_that_this_cpu_lacks_is_refused_with_the_ones_it_has(monke
             cpu_build.cpu_isa()
         monkeypatch.setenv("SPARSE_ATTN_CPU_ISA", "sse2")
         envs.reset_for_tests()
-        with pytest.raises(ValueError, match="auto, amx, avx512, avx2, generic"):
+        with pytest.raises(ValueError, match="auto, amx, avx512bf16, avx512, avx2, generic"):
             cpu_build.cpu_isa()
     finally:
         envs.reset_for_tests()

@@ -1,4 +1,6 @@
-// AMX-BF16 tile micro-kernels of the CPU kernel (skip_attn_cpu.cpp), built with -DSA_AMX only.
+// AMX-BF16 tile micro-kernels of the CPU kernel (skip_attn_cpu.cpp), built with -DSA_AMX only (which
+// implies -DSA_BF16DP: the operands' packing and P's rounding are sa_bf16.h's, shared with the
+// AVX512-BF16 micro-kernels that run where the OS refuses the tiles).
 //
 // What vLLM's own bf16 attention uses on such CPUs (its `amx` ISA): a TDPBF16PS multiplies a
 // 16 x 32 bf16 tile by a 32 x 16 one into 16 x 16 fp32 accumulators in one instruction, about 16
@@ -21,7 +23,7 @@
 
 #include <cstdint>
 
-#include "sa_simd.h"
+#include "sa_bf16.h"
 
 namespace sa {
 
@@ -49,13 +51,6 @@ struct alignas(64) TileConfig {
 inline void amx_tile_config() {
   static const TileConfig cfg;
   _tile_loadconfig(&cfg);
-}
-
-// 16 pairs (a[i], b[i]) of bf16 bits as 16 32-bit lanes, a in the low half: one 64-byte VNNI row.
-inline __m512i pair16(const uint16_t* a, const uint16_t* b) {
-  const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)));
-  const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
-  return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
 }
 
 // S[16 rows][0:64] = Qb[16 rows] . K^T over D (D % 32 == 0).  Qb: bf16 rows, D apart.  kpack: the
@@ -118,35 +113,6 @@ inline void amx_pv16(const uint16_t* Pb, const uint16_t* vpack, int D, float* O)
     }
     _tile_stored(0, O + n, D * 4);
   }
-}
-
-// Pb[16 rows][0:64] = P rows (fp32, 64 apart) rounded to bf16, to nearest even (VCVTNE2PS2BF16, 32 a
-// instruction; it flushes inputs below 2^-126 to 0, P terms that add nothing at fp32 either).
-inline void amx_round_p16(const float* P, uint16_t* Pb) {
-  for (int r = 0; r < 16; ++r)
-    for (int j = 0; j < 64; j += 32) {
-      const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(P + r * 64 + j + 16), _mm512_loadu_ps(P + r * 64 + j));
-      _mm512_storeu_si512(Pb + r * 64 + j, reinterpret_cast<const __m512i&>(b));
-    }
-}
-
-// Two adjacent 16-element bf16 rows a = p[0:16], b = p[16:32] as one VNNI row (a[i], b[i]): one
-// load and one permute (a K panel's dims 2kk and 2kk + 1 are adjacent in a page of 16 positions).
-inline __m512i pair16_adjacent(const uint16_t* p) {
-  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                       23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  return _mm512_permutexvar_epi16(idx, _mm512_loadu_si512(p));
-}
-
-// Rows a and b, 32 elements each, as two VNNI rows: lo = (a[i], b[i]) for i < 16, hi for 16 <= i < 32.
-inline void pair32(const uint16_t* a, const uint16_t* b, __m512i& lo, __m512i& hi) {
-  const __m512i ilo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-                                       39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i ihi = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24,
-                                       55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
-  const __m512i va = _mm512_loadu_si512(a), vb = _mm512_loadu_si512(b);
-  lo = _mm512_permutex2var_epi16(va, ilo, vb);
-  hi = _mm512_permutex2var_epi16(va, ihi, vb);
 }
 
 }  // namespace sa

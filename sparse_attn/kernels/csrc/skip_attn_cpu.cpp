@@ -41,8 +41,13 @@
 #endif
 
 #include "sa_kernels.h"
+#if defined(SA_AMX) && !defined(SA_BF16DP)
+#error "the amx build is the avx512bf16 build plus tiles: -DSA_AMX needs -DSA_BF16DP"
+#endif
 #if defined(SA_AMX)
 #include "sa_amx.h"
+#elif defined(SA_BF16DP)
+#include "sa_bf16.h"
 #endif
 
 using namespace sa;
@@ -172,13 +177,13 @@ struct Item {
 
 struct Scratch {
   std::vector<float> q, s, o, rowmax, mref, l, mdense, seed, kbuf, vbuf;
-  // The AMX path's bf16 operands (sa_amx.h): raw query rows, the tile's K and V repacked, P rows.
+  // The pair products' bf16 operands (sa_bf16.h): raw query rows, the tile's K and V repacked, P rows.
   std::vector<uint16_t> qb, kpack, vpack, pb, zrow;
   void reserve(int M, int D) {
     auto grow = [](auto& b, size_t n) {
       if (b.size() < n) b.resize(n);
     };
-#if defined(SA_AMX)
+#if defined(SA_BF16DP)
     grow(qb, size_t(M) * D);
     grow(kpack, size_t(TILE_K) * D);
     grow(vpack, size_t(TILE_K) * D);
@@ -311,7 +316,7 @@ void store_rows(const SaCall& c, const Item& it, int64_t row0, int nr, const flo
   }
 }
 
-#if defined(SA_AMX)
+#if defined(SA_BF16DP)
 // The item's bf16 query rows as they are (the softmax scale is applied to S), in the row order of
 // load_q_rows: Qb[(head-in-run, row)][d].
 void load_q_bits(const SaCall& c, const Item& it, int64_t row0, int nr, uint16_t* Qb) {
@@ -418,15 +423,21 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
   float *rowmax = sc.rowmax.data(), *mref = sc.mref.data(), *l = sc.l.data();
   float *mdense = sc.mdense.data(), *seed = sc.seed.data();
 
-  // AMX tiles (sa_amx.h) for the first M16 rows of a gathered bf16 item of 16 rows or more; the
-  // rest of its rows (M - M16 < 16) take the fp32 micro-kernels.
+  // bf16 pair products (sa_bf16.h) for the first M16 rows of a gathered bf16 item of 16 rows or
+  // more, on AMX tiles where the build has them and the OS granted them (sa_amx.h), else on
+  // AVX512-BF16 dot products; the rest of its rows (M - M16 < 16) take the fp32 micro-kernels.
+#if defined(SA_BF16DP)
+  constexpr bool kPairType = std::is_same<KVT, bf16_t>::value && !KD && !VD;
+  const bool pairs = kPairType && M >= 16 && D % 32 == 0;
+#else
+  constexpr bool pairs = false;
+#endif
 #if defined(SA_AMX)
-  constexpr bool kAmxType = std::is_same<KVT, bf16_t>::value && !KD && !VD;
-  const bool amx = kAmxType && M >= 16 && D % 32 == 0 && amx_permitted();
+  const bool amx = pairs && amx_permitted();
 #else
   constexpr bool amx = false;
 #endif
-  const int M16 = amx ? M / 16 * 16 : 0;
+  const int M16 = pairs ? M / 16 * 16 : 0;
 
   PROF_START
   switch (c.dtype) {
@@ -434,11 +445,11 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
     case 2: load_q_rows<f16_t>(c, it, qs + r0, nr, Q); break;
     default: load_q_rows<float>(c, it, qs + r0, nr, Q); break;
   }
+#if defined(SA_BF16DP)
+  if (pairs) load_q_bits(c, it, qs + r0, nr, sc.qb.data());
+#endif
 #if defined(SA_AMX)
-  if (amx) {
-    amx_tile_config();
-    load_q_bits(c, it, qs + r0, nr, sc.qb.data());
-  }
+  if (amx) amx_tile_config();
 #endif
   std::fill(O, O + size_t(M) * D, 0.0f);
   std::fill(l, l + M, 0.0f);
@@ -479,14 +490,14 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
       ldk = c.k_sd;
       for (int p = 0; p < npanel; ++p) kpanel[p] = kh + ts.block(p * PANEL) * c.k_sb + ts.offset(p * PANEL) * c.k_st;
     } else {
-#if defined(SA_AMX)
-      if constexpr (kAmxType)
-        if (amx) repack_k(c, kh, ts, ntok, npanel, D, sc.kpack.data());
+#if defined(SA_BF16DP)
+      if constexpr (kPairType)
+        if (pairs) repack_k(c, kh, ts, ntok, npanel, D, sc.kpack.data());
 #endif
       float* kb = sc.kbuf.data();
       ldk = TILE_K;
       if (M16 == M) {
-        // every row on tiles: no fp32 copy of K
+        // every row on pair products: no fp32 copy of K
       } else if (c.k_st == 1 && c.page_size % PANEL == 0) {  // dim-major runs of 16 positions
         for (int p = 0; p < npanel; ++p) {
           const KVT* src = kh + ts.block(p * PANEL) * c.k_sb + ts.offset(p * PANEL);
@@ -518,6 +529,11 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
       for (int rb = 0; rb < M16; rb += 16) amx_qk16(sc.qb.data() + size_t(rb) * D, D, sc.kpack.data(), Sb + size_t(rb) * TILE_K);
       const __m512 scale16 = _mm512_set1_ps(c.scale);
       for (size_t i = 0; i < size_t(M16) * TILE_K; i += 16) _mm512_storeu_ps(Sb + i, _mm512_mul_ps(_mm512_loadu_ps(Sb + i), scale16));
+    } else
+#endif
+#if defined(SA_BF16DP)
+    if (pairs) {
+      for (int rb = 0; rb < M16; rb += 16) dp_qk16(sc.qb.data() + size_t(rb) * D, D, sc.kpack.data(), c.scale, Sb + size_t(rb) * TILE_K);
     }
 #endif
     if (M16 < M) qk_tile(M - M16, Q + size_t(M16) * D, D, kpanel, npanel, ldk, Sb + size_t(M16) * TILE_K, pf);
@@ -570,7 +586,7 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
     std::copy(rowmax, rowmax + M, seed);
   }
   for (int step = step_lo; step <= step_hi; ++step) {
-    [[maybe_unused]] bool vpacked = false;  // this tile's V repacked for the tiles (AMX)
+    [[maybe_unused]] bool vpacked = false;  // this tile's V repacked for the pair products
     const int t = tile_of(step);
     tile_scores(t, step < step_hi ? tile_of(step + 1) : -1);
     // ---- the skip rule (per head: every valid row of the query tile votes)
@@ -628,7 +644,7 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
       cnt.v_skipped += !any;
     }
     if (!any) continue;  // no head keeps the tile: V is not read
-    // ---- the kept heads' rows: on tiles in runs of 16 (AMX), the others listed for the fp32 P.V
+    // ---- the kept heads' rows: on pair products in runs of 16, the others listed for the fp32 P.V
     int nkept = 0;
     for (int hh = 0; hh < nh;) {
       if (!keep[hh]) {
@@ -638,19 +654,25 @@ void run_item(const SaCall& c, const int64_t* info, const Item& it, Scratch& sc,
       int he = hh;  // kept heads hh .. he - 1: one contiguous run of rows
       while (he < nh && keep[he]) ++he;
       int r = hh * nr;
-      if (amx) r += (he - hh) * nr / 16 * 16;  // rows [hh nr, r) go on tiles
+      if (pairs) r += (he - hh) * nr / 16 * 16;  // rows [hh nr, r) go on pair products
       for (int q = r; q < he * nr; ++q, ++nkept) {
         prow[nkept] = Sb + size_t(q) * TILE_K;
         orow[nkept] = O + size_t(q) * D;
       }
-#if defined(SA_AMX)
-      if (amx && r > hh * nr) {
-        if constexpr (kAmxType)
+#if defined(SA_BF16DP)
+      if (pairs && r > hh * nr) {
+        if constexpr (kPairType)
           if (!vpacked) repack_v(c, vh, ts, ntok, D, sc.zrow.data(), sc.vpack.data());
         vpacked = true;
         for (int q = hh * nr; q < r; q += 16) {
-          amx_round_p16(Sb + size_t(q) * TILE_K, sc.pb.data());
-          amx_pv16(sc.pb.data(), sc.vpack.data(), D, O + size_t(q) * D);
+          round_p16(Sb + size_t(q) * TILE_K, sc.pb.data());
+#if defined(SA_AMX)
+          if (amx) {
+            amx_pv16(sc.pb.data(), sc.vpack.data(), D, O + size_t(q) * D);
+            continue;
+          }
+#endif
+          dp_pv16(sc.pb.data(), sc.vpack.data(), D, O + size_t(q) * D);
         }
       }
 #endif
@@ -908,6 +930,8 @@ int sa_abi_version() { return kAbiVersion; }
 const char* sa_isa() {
 #if defined(SA_AMX)
   return "amx";
+#elif defined(SA_BF16DP)
+  return "avx512bf16";
 #elif defined(SA_AVX512)
   return "avx512";
 #elif defined(SA_AVX2)
@@ -941,8 +965,8 @@ int sa_forward(const SaCall* c) {
 #if defined(SA_AVX512)
   if (!__builtin_cpu_supports("avx512f")) return kIsaMissing;
 #endif
-#if defined(SA_AMX)
-  // The tiles are used only where the OS grants them (amx_permitted), else the avx512 code runs.
+#if defined(SA_BF16DP)
+  // The tiles are used only where the OS grants them (amx_permitted), else the AVX512-BF16 code runs.
   if (!__builtin_cpu_supports("avx512bw") || !__builtin_cpu_supports("avx512bf16")) return kIsaMissing;
 #endif
   // An unquantised cache has the query's dtype; an fp8 one goes with any query dtype.
