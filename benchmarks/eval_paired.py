@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from sparse_attn.evaluation.metrics import kl_topk, mean_ci, positions  # noqa: E402
+from sparse_attn.evaluation.metrics import mean_ci, position_kls  # noqa: E402
 
 
 def prompt_kls(dense: dict, sparse: dict) -> list[float]:
@@ -32,12 +32,9 @@ def prompt_kls(dense: dict, sparse: dict) -> list[float]:
     out = []
     for dense_cell, cell in zip(dense["cells"], sparse["cells"]):
         for i in range(len(cell["text"])):
-            found = positions(cell, dense_cell, i)
-            pairs = found["generated"] + found["forced"]
-            if pairs:
-                out.append(sum(kl_topk(d, s, sparse.get("top_k")) for d, s in pairs) / len(pairs))
-            else:
-                out.append(float("nan"))
+            _, kls = position_kls(cell, dense_cell, i, sparse.get("top_k"))
+            pooled = kls["generated"] + kls["forced"]
+            out.append(sum(pooled) / len(pooled) if pooled else float("nan"))
     return out
 
 

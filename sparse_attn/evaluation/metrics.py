@@ -131,6 +131,14 @@ def positions(cell: dict[str, Any], dense_cell: dict[str, Any], i: int) -> dict[
     return out
 
 
+def position_kls(cell: dict[str, Any], dense_cell: dict[str, Any], i: int,
+                 top_k: int | None = None) -> tuple[dict[str, list[tuple[dict, dict]]], dict[str, list[float]]]:
+    """Sample ``i``'s comparable positions (:func:`positions`) and one KL(dense || sparse) per position, by kind
+    (:func:`kl_topk` with ``top_k``): the eval's ``kl_all`` is the mean of the two kinds' KLs pooled."""
+    by_kind = positions(cell, dense_cell, i)
+    return by_kind, {kind: [kl_topk(d, s, top_k) for d, s in pairs] for kind, pairs in by_kind.items()}
+
+
 def sample_scores(cell: dict[str, Any], answers: Sequence[Sequence[str]], answer_ids: Sequence[Sequence[int]],
                   dense_cell: dict[str, Any] | None = None, top_k: int | None = None) -> list[dict[str, float]]:
     """Per-sample scores of one engine cell; ``answers[i]`` / ``answer_ids[i]``: sample ``i``'s answers and
@@ -144,9 +152,7 @@ def sample_scores(cell: dict[str, Any], answers: Sequence[Sequence[str]], answer
         if dense_cell is not None and first and dense_cell["first_step"][i]:
             score["kl"] = kl_topk(dense_cell["first_step"][i], first, top_k)
         if dense_cell is not None:
-            by_kind = positions(cell, dense_cell, i)
-            # One KL per position, shared by the pooled mean and each kind's.
-            kls = {kind: [kl_topk(d, s, top_k) for d, s in pairs] for kind, pairs in by_kind.items()}
+            by_kind, kls = position_kls(cell, dense_cell, i, top_k)
             pairs, pooled = by_kind["generated"] + by_kind["forced"], kls["generated"] + kls["forced"]
             if pooled:
                 score["kl_all"] = sum(pooled) / len(pooled)
