@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from sparse_attn import settings
+
 SOURCE = Path(__file__).resolve().parent / "csrc" / "skip_attn_cpu.cpp"
 #: Headers the source includes (part of the cache key).
 HEADERS = ("sa_simd.h", "sa_kernels.h", "sa_bf16.h", "sa_amx.h")
@@ -101,7 +103,8 @@ class Built:
 #: of a bf16 cache's items of 16 rows or more, i.e. prefill: csrc/sa_bf16.h; every other item is the ``avx512``
 #: code), ``avx512`` (AVX2 + FMA + F16C + AVX-512F: 512-bit matrix micro-kernels, outputs bit-identical to
 #: ``avx2``), ``avx2``, ``generic`` (the same code on GCC/Clang vector types the compiler lowers).
-ISAS: tuple[str, ...] = ("amx", "avx512bf16", "avx512", "avx2", "generic")
+#: The names are ``SPARSE_ATTN_CPU_ISA``'s choices less ``auto``: one list, which the setting owns.
+ISAS: tuple[str, ...] = tuple(choice for choice in settings.CPU_ISA_CHOICES if choice != "auto")
 _BF16_FLAGS = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16"}
 _ISA_CPU_FLAGS = {"amx": _BF16_FLAGS | {"amx_tile", "amx_bf16"}, "avx512bf16": _BF16_FLAGS,
                   "avx512": {"avx2", "fma", "f16c", "avx512f"}, "avx2": {"avx2", "fma", "f16c"}, "generic": set()}
@@ -128,8 +131,6 @@ def cpu_isa() -> str:
     """The target the compiled kernel is built for: ``SPARSE_ATTN_CPU_ISA`` where set (``auto`` or unset: the
     widest this CPU runs, :func:`supported_isas`). A pinned ISA this CPU lacks is refused here, with the ones it
     has, rather than at the first call."""
-    from sparse_attn import settings
-
     pinned = settings.get("SPARSE_ATTN_CPU_ISA")
     have = supported_isas()
     if pinned in (None, "", "auto"):
@@ -141,17 +142,17 @@ def cpu_isa() -> str:
 
 
 def isa_flags(isa: str, profile: bool = False) -> tuple[str, ...]:
+    """The compiler flags of build target ``isa`` (one of :data:`ISAS`; any other name is a KeyError, so that a
+    target added to the setting cannot silently compile as ``generic``)."""
     bf16 = ("-DSA_AVX2", "-DSA_AVX512", "-DSA_BF16DP", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw",
             "-mavx512bf16")
     flags = {"amx": bf16 + ("-DSA_AMX", "-mamx-tile", "-mamx-bf16"), "avx512bf16": bf16,
              "avx512": ("-DSA_AVX2", "-DSA_AVX512", "-mavx2", "-mfma", "-mf16c", "-mavx512f"),
-             "avx2": ("-DSA_AVX2", "-mavx2", "-mfma", "-mf16c")}.get(isa, ())
+             "avx2": ("-DSA_AVX2", "-mavx2", "-mfma", "-mf16c"), "generic": ()}[isa]
     return flags + (("-DSA_PROFILE",) if profile else ())
 
 
 def cache_dir() -> Path:
-    from sparse_attn import settings
-
     configured = settings.get("SPARSE_ATTN_CPU_KERNEL_CACHE")
     if configured:
         return Path(configured).expanduser()
