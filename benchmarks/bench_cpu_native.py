@@ -20,7 +20,8 @@ cold, and skipped tiles gain less than warm timings suggest (fp32 1 x 2k at 75 %
 
 Cases: SmolLM2-135M's attention (9 query / 3 KV heads, head 64): prefill 2k, an 8k prefill's
 last 2k chunk, decode 4 x 2k, 16 x 2k, 4 x 8k, 1 x 2k and 1 x 8k; the kernel benchmark's 8/2/128
-prefill 16k chunk.
+prefill 16k chunk; Gemma-3-270M's (4 query / 1 KV head, head 256): decode 1 x 8k and 1 x 32k of a global layer,
+decode 1 x 8k and an 8k prefill's last 2k of a 512-token windowed layer.
 """
 
 from __future__ import annotations
@@ -36,15 +37,20 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-CASES = [  # name, sequences, KV length, query length, Hq, Hkv, D
-    ("smol-prefill-2k", 1, 2048, 2048, 9, 3, 64),
-    ("smol-prefill-8k-last-2k", 1, 8192, 2048, 9, 3, 64),
-    ("smol-decode-4x2k", 4, 2048, 1, 9, 3, 64),
-    ("smol-decode-16x2k", 16, 2048, 1, 9, 3, 64),  # the serving table's 2048 x 16 decode
-    ("smol-decode-4x8k", 4, 8192, 1, 9, 3, 64),
-    ("smol-decode-1x2k", 1, 2048, 1, 9, 3, 64),  # the serving table's 2048 x 1 decode
-    ("smol-decode-1x8k", 1, 8192, 1, 9, 3, 64),  # 3 KV heads: fewer items than threads without KV parts
-    ("prefill-16k-chunk-1k", 1, 16384, 1024, 8, 2, 128),
+CASES = [  # name, sequences, KV length, query length, Hq, Hkv, D, window (tokens; None: a global layer)
+    ("smol-prefill-2k", 1, 2048, 2048, 9, 3, 64, None),
+    ("smol-prefill-8k-last-2k", 1, 8192, 2048, 9, 3, 64, None),
+    ("smol-decode-4x2k", 4, 2048, 1, 9, 3, 64, None),
+    ("smol-decode-16x2k", 16, 2048, 1, 9, 3, 64, None),  # the serving table's 2048 x 16 decode
+    ("smol-decode-4x8k", 4, 8192, 1, 9, 3, 64, None),
+    ("smol-decode-1x2k", 1, 2048, 1, 9, 3, 64, None),  # the serving table's 2048 x 1 decode
+    ("smol-decode-1x8k", 1, 8192, 1, 9, 3, 64, None),  # 3 KV heads: fewer items than threads without KV parts
+    ("prefill-16k-chunk-1k", 1, 16384, 1024, 8, 2, 128, None),
+    # Gemma-3-270M (4 query heads on 1 KV head, head 256): its 3 global layers and its 15 windowed (512) ones
+    ("gemma-decode-1x8k", 1, 8192, 1, 4, 1, 256, None),
+    ("gemma-local-decode-1x8k", 1, 8192, 1, 4, 1, 256, 512),
+    ("gemma-decode-1x32k", 1, 32768, 1, 4, 1, 256, None),
+    ("gemma-local-prefill-8k-last-2k", 1, 8192, 2048, 4, 1, 256, 512),
 ]
 
 
@@ -84,7 +90,7 @@ def main(argv=None) -> int:
           "| ~75 % vs vLLM | max abs diff dense vs vLLM |")
     print("|---|---|---|---|---|---|---|---|")
     keep = set(a.only.split(",")) if a.only else None
-    for name, n, kv_len, q_len, hq, hkv, d in CASES:
+    for name, n, kv_len, q_len, hq, hkv, d, window in CASES:
         if keep and name not in keep:
             continue
         page = 128
@@ -108,7 +114,7 @@ def main(argv=None) -> int:
         scale = 1 / math.sqrt(d)
         meta = ops.cpu_attn_get_scheduler_metadata(
             num_reqs=n, num_heads=hq, num_kv_heads=hkv, head_dim=d, seq_lens=src.seq_lens, dtype=dtype,
-            query_start_loc=src.query_start_loc, causal=True, sliding_window_size=-1, isa=native_isa,
+            query_start_loc=src.query_start_loc, causal=True, sliding_window_size=window or -1, isa=native_isa,
             enable_kv_split=True)
         out_native = torch.empty_like(src.query)
 
@@ -116,10 +122,10 @@ def main(argv=None) -> int:
             ops.cpu_attention_with_kv_cache(
                 query=src.query, key_cache=key_cache, value_cache=value_cache, output=out_native,
                 query_start_loc=src.query_start_loc, seq_lens=src.seq_lens, scale=scale, causal=True, alibi_slopes=None,
-                sliding_window=-1, block_table=src.block_table, softcap=0.0, scheduler_metadata=meta, s_aux=None)
+                sliding_window=window or -1, block_table=src.block_table, softcap=0.0, scheduler_metadata=meta, s_aux=None)
 
-        (pick50, pick75), grid, frac = calibrate(batch, scale, (0.5, 0.75), "compiled")
-        spec = LayerSpec(scale)
+        spec = LayerSpec(scale, window=window)
+        (pick50, pick75), grid, frac = calibrate(batch, spec, (0.5, 0.75), "compiled")
         # Ours as a served layer runs it: a launch prepared once for the layer's cache (layer_launch) and the
         # step's arguments once per step (step_args), then one library call per layer; vLLM's op likewise
         # gets its scheduler metadata prepared once.  (paged_attention, the general path, builds and checks

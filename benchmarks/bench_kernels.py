@@ -122,9 +122,11 @@ def make_inputs(n_seqs, kv_len, q_len, hq, hkv, d, page, dtype, device, seed=0, 
 
 
 def calibrate(batch, scale, targets, impl):
-    """Lambdas reaching each target tile sparsity, from one counting pass over a lambda grid."""
+    """Lambdas reaching each target tile sparsity, from one counting pass over a lambda grid; ``scale`` is the
+    softmax scale or a whole :class:`LayerSpec` (a windowed layer's)."""
     grid = torch.logspace(-7, 0, 141).tolist()
-    _, skipped, visited = paged_attention_counts(batch, LayerSpec(scale), grid, impl=impl)
+    spec = scale if isinstance(scale, LayerSpec) else LayerSpec(scale)
+    _, skipped, visited = paged_attention_counts(batch, spec, grid, impl=impl)
     frac = (skipped.sum(1).double() / visited.sum().double()).tolist()
     return [min(range(len(grid)), key=lambda i: abs(frac[i] - t)) for t in targets], grid, frac
 
