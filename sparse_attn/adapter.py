@@ -75,6 +75,9 @@ class Policy:
     stats_interval_s: float = 60.0
     #: the window ``w`` (tokens) that caps lambda's normaliser; None = ``kv_len`` itself
     window: int | None = None
+    #: a prefill / mixed step in which no lambda is > 0 runs vLLM's own impl (True) or this layer's kernel with
+    #: the rule off (False); ``sparse_attn.plugin.dense_steps`` decides it per layer
+    dense_native: bool = True
 
     @property
     def kind(self) -> str:
@@ -209,7 +212,7 @@ class SparseAttentionMixin:
         phases = batch.phase_rows()
         if policy.calibration_scales is None:
             plans = {phase: _step_plan(batch, phase, policy, rows) for phase, rows in phases.items()}
-            if not any(plan.sparse for plan in plans.values()):
+            if policy.dense_native and not any(plan.sparse for plan in plans.values()):
                 for phase in phases:
                     self._sa_stats.add_native(phase)
                 return cworker.call_native(self, call)

@@ -16,6 +16,8 @@ import dataclasses
 import logging
 from typing import Any
 
+import torch
+
 import compat
 from compat import envs, graphs, patches
 from compat import model as cmodel
@@ -126,7 +128,9 @@ def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, ra
     strict = settings.get("SPARSE_ATTN_STRICT")
     report = compat.probe()
     installed, native, backends, owners, features, curves, never_skip = 0, {}, set(), set(), {}, {}, {}
+    dense_by: dict[str, int] = {}
     sparse_impls = []
+    where = warmup.model_device_dtype(model)
     # A second install starts from the native model, so that its summary is the whole truth:
     # a layer it leaves native runs native, a layer it makes sparse runs with its policy.
     for layer, _ in cmodel.attention_layers(model):
@@ -142,6 +146,9 @@ def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, ra
             reason = info.compat_refusal
         if reason is None:
             layer_policy = policy_for_layer(policy, config, info)
+            run_native, decided = dense_steps(info, where)
+            if layer_policy.dense_native != run_native:
+                layer_policy = dataclasses.replace(layer_policy, dense_native=run_native)
             try:
                 sparse_impls.append(make_sparse(layer, info, layer_policy, STATS))
             except (compat.ImplReplacementError, ValueError) as exc:   # ValueError: kernels.support.spec_for
@@ -154,6 +161,8 @@ def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, ra
         owners.add(info.owner_class)
         used = info.features.in_use()
         features[used] = features.get(used, 0) + 1
+        key = f"{'native' if run_native else 'own'} ({decided})"
+        dense_by[key] = dense_by.get(key, 0) + 1
         rule = describe_lambda(layer_policy)
         curves[rule] = curves.get(rule, 0) + 1
         for phase in _phases_that_never_skip(layer_policy):
@@ -184,6 +193,8 @@ def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, ra
         "lambda": curves,
         # Window-curve phases whose scale at the target is >= the layer's window: dense at every length.
         "window_curve_never_skips": never_skip,
+        # Which attention serves a sparse layer's prefill / mixed steps that cannot skip (dense_steps), and why.
+        "dense_steps": dense_by,
         "native": reasons,
         "cuda_graphs": {b: d.describe() for b, d in graphs.installed().items() if b in backends},
         # Which skip-softmax kernel runs the CPU layers (built or loaded here, once per worker).
@@ -192,8 +203,7 @@ def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, ra
         "startup_warnings": list(startup_warnings),
     }
     STATS.set_install(summary, tuple(sorted(owners)))
-    where = warmup.model_device_dtype(model) if installed else None
-    if where is not None:     # every kernel variant compiled and the counters allocated before any capture
+    if installed and where is not None:     # every kernel variant compiled and the counters allocated before any capture
         warmup.warm_up(sparse_impls, STATS, device=where[0], dtype=where[1])
     for key, n in sorted(never_skip.items()):
         phase, window = key.split(", window ")
@@ -204,12 +214,33 @@ def install(model: Any, config: SparseAttentionConfig | None, policy: Policy, ra
             "`sparse-attn calibrate`", n, window, phase, phase, window, window)
     logger.info(
         "sparse-attn[rank %d]: %d/%d attention layers sparse, backend %s, layout %s, cache writer %s, mode %s, "
-        "targets %s, features %s, lambda %s%s%s",
+        "targets %s, features %s, lambda %s, steps that cannot skip %s%s%s",
         rank, installed, len(layers), ",".join(summary["backends"]) or "-", summary["layout"], summary["cache_writer"],
-        summary["mode"], summary["targets"], features or "-", curves or "-", f", native: {reasons}" if reasons else "",
+        summary["mode"], summary["targets"], features or "-", curves or "-", dense_by or "-",
+        f", native: {reasons}" if reasons else "",
         f", CPU kernel {summary['cpu_kernel']}" if summary["cpu_kernel"] else "",
     )
     return summary
+
+
+def dense_steps(info: cmodel.LayerInfo, where: tuple[torch.device, torch.dtype] | None) -> tuple[bool, str]:
+    """Whether a sparse layer's prefill / mixed steps in which no lambda is > 0 run vLLM's own impl: ``(native,
+    decided by)``, the one place that joins what the layer computes (``where``: the model's device and dtype,
+    ``info``: its cache dtype and head size) with what the kernels do fastest.
+
+    ``SPARSE_ATTN_DENSE_STEPS=native`` / ``own`` decides; ``auto``: the plugin's kernel where the compiled CPU kernel
+    multiplies a bf16 cache's prefill as bf16 pairs (``cpu_impl.bf16_prefill_on_pairs``: 1.8-2.1x vLLM's CPU kernel
+    dense, so falling back to vLLM there made a step whose windowed layers cannot skip slower than skipping off),
+    vLLM's own impl elsewhere (an fp32 CPU prefill: vLLM's kernel 3-6 % faster; a GPU: vLLM's FlashAttention /
+    FlashInfer; an fp8 cache: not measured)."""
+    choice = settings.get("SPARSE_ATTN_DENSE_STEPS")
+    if choice != "auto":
+        return choice == "native", f"SPARSE_ATTN_DENSE_STEPS={choice}"
+    bf16_cpu = where is not None and where[0].type == "cpu" and where[1] == torch.bfloat16 \
+        and info.features.kv_cache_dtype in ("auto", "bfloat16")
+    if bf16_cpu and cpu_impl.bf16_prefill_on_pairs(info.head_size):
+        return False, "auto: bf16 pair products on CPU"
+    return True, "auto"
 
 
 def policy_for_layer(policy: Policy, config: SparseAttentionConfig | None, info: cmodel.LayerInfo) -> Policy:

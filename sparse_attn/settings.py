@@ -29,12 +29,14 @@ from compat.envs import get as _get
 from compat.errors import InvalidOverrideError
 from sparse_attn.protocol import CALIBRATION_ENV
 
-__all__ = ["CPU_ISA_CHOICES", "CPU_KERNEL_CHOICES", "VARIABLES", "get"]
+__all__ = ["CPU_ISA_CHOICES", "CPU_KERNEL_CHOICES", "DENSE_STEPS_CHOICES", "VARIABLES", "get"]
 
 #: ``SPARSE_ATTN_CPU_KERNEL`` values (``sparse_attn.kernels.cpu_impl.cpu_kernel`` applies them).
 CPU_KERNEL_CHOICES: tuple[str, ...] = ("auto", "compiled", "torch")
 #: ``SPARSE_ATTN_CPU_ISA`` values (``sparse_attn.kernels.cpu_build.cpu_isa`` applies them).
 CPU_ISA_CHOICES: tuple[str, ...] = ("auto", "amx", "avx512bf16", "avx512", "avx2", "generic")
+#: ``SPARSE_ATTN_DENSE_STEPS`` values (``sparse_attn.plugin.dense_steps`` applies them).
+DENSE_STEPS_CHOICES: tuple[str, ...] = ("auto", "native", "own")
 _FLAG_CHOICES = ", ".join(FLAG_FALSE[:1] + FLAG_TRUE[:1])
 
 
@@ -91,6 +93,20 @@ VARIABLES: tuple[EnvVar, ...] = (
         ),
         parse=parse_path,
         choices="a directory path",
+    ),
+    EnvVar(
+        name="SPARSE_ATTN_DENSE_STEPS",
+        default="auto",
+        doc=(
+            "Which attention serves a prefill or mixed step of a sparse layer in which no sequence can skip "
+            "(lambda 0: a prompt too short for the curve, or a window curve that never skips at its target): "
+            "`native` (vLLM's own impl), `own` (the plugin's kernel with the rule off), or `auto`: `own` where "
+            "the compiled CPU kernel runs a bf16 cache's prefill on bf16 pair products (its dense prefill is "
+            "1.8-2.1x vLLM's CPU kernel there), `native` elsewhere. Decode steps always run the plugin's kernel "
+            "(a captured graph cannot switch kernels per step)."
+        ),
+        parse=choice_parser(DENSE_STEPS_CHOICES),
+        choices=", ".join(DENSE_STEPS_CHOICES),
     ),
     EnvVar(
         name="SPARSE_ATTN_DISABLE",

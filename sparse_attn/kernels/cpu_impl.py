@@ -130,6 +130,22 @@ def cpu_kernel(batch: PagedBatch | None = None) -> str:
     return "compiled" if batch is None or supports(batch) else "torch"
 
 
+#: Build targets whose bf16 prefill multiplies bf16 pairs (csrc/sa_bf16.h, sa_amx.h), for head sizes a multiple of
+#: this (the pair kernels' 32-column panels; the source's ``pairs`` condition).
+PAIR_TARGETS = frozenset({"avx512bf16", "amx"})
+PAIR_HEAD_MULTIPLE = 32
+
+
+def bf16_prefill_on_pairs(head_size: int) -> bool:
+    """Whether a bf16 prefill of ``head_size`` runs on this process's compiled kernel with bf16 pair products
+    (the ``avx512bf16`` / ``amx`` builds, :data:`PAIR_HEAD_MULTIPLE`), i.e. where its dense prefill is measured
+    1.8-2.1x vLLM's CPU kernel on the same pages (benchmarks/RESULTS-kernels.md); ``False`` where the torch kernel
+    serves or the build widens bf16 to fp32 (then within a few per cent of vLLM's, either side)."""
+    if cpu_kernel() != "compiled":
+        return False
+    return status().target in PAIR_TARGETS and head_size % PAIR_HEAD_MULTIPLE == 0
+
+
 def require(batch: PagedBatch | None = None) -> None:
     """Raise unless the compiled kernel is available here and takes ``batch``."""
     st = status()

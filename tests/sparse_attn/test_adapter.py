@@ -108,10 +108,11 @@ INFO = cmodel.LayerInfo(name="model.layers.0.self_attn.attn", owner_class="Llama
                         num_kv_heads=HKV, head_size=D, scale=SCALE, cpu_isa="vec", features=cmodel.LayerFeatures())
 
 
-def sparse_impl(scale_factors, stats, calibration_scales=None):
+def sparse_impl(scale_factors, stats, calibration_scales=None, dense_native=True):
     """A layer holding a NativeImpl, made sparse; returns (layer, impl, writes)."""
     layer = types.SimpleNamespace(impl=NativeImpl(), isa="vec")
-    policy = Policy(scale_factors=scale_factors, calibration_scales=calibration_scales, stats_interval_s=0)
+    policy = Policy(scale_factors=scale_factors, calibration_scales=calibration_scales, stats_interval_s=0,
+                    dense_native=dense_native)
     impl = make_sparse(layer, INFO, policy, stats)
     assert layer.impl is impl
     writes = []
@@ -227,6 +228,27 @@ def test_degenerate_lambdas_in_prefill_run_native(scale):
     layer, impl, writes = sparse_impl({"prefill": scale, "decode": scale}, WorkerStats())
     impl.forward(layer, query, key, value, kv_cache, md, torch.zeros_like(query))
     assert layer.impl.forward_calls == 1 and writes == []
+
+
+@pytest.mark.parametrize("scale", [60.0, 300.0, 0.0], ids=["lambda-1", "lambda-5", "lambda-0"])
+@pytest.mark.parametrize("q_lens,kv_lens", [([5], [60]), ([5, 1], [60, 30])], ids=["prefill", "mixed"])
+def test_degenerate_lambdas_in_prefill_run_the_own_kernel_dense_where_the_layer_says_so(scale, q_lens, kv_lens,
+                                                                                        kernel_calls):
+    # dense_native=False (plugin.dense_steps: a bf16 CPU layer on pair products): a step that cannot skip is the
+    # plugin's kernel with the rule off, written once, equal to dense attention, counted as a dense launch.
+    gen = torch.Generator().manual_seed(2)
+    query, key, value, kv_cache, md = build_batch(gen, q_lens=q_lens, kv_lens=kv_lens)
+    stats = WorkerStats()
+    layer, impl, writes = sparse_impl({"prefill": scale, "decode": scale}, stats, dense_native=False)
+    output = torch.zeros_like(query)
+    impl.forward(layer, query, key, value, kv_cache, md, output)
+    assert layer.impl.forward_calls == 0 and len(writes) == 1
+    assert kernel_calls and all(threshold is None for threshold, _ in kernel_calls)
+    n = md.num_actual_tokens
+    torch.testing.assert_close(output[:n], dense(query[:n], kv_cache, md), rtol=1e-5, atol=1e-5)
+    phases = stats.snapshot()["phases"]
+    assert phases["prefill"]["dense_launches"] == 1 and phases["prefill"]["native_launches"] == 0
+    assert phases["prefill"]["skipped"] == phases["prefill"]["visited"] == 0
 
 
 @pytest.mark.parametrize("scale", [60.0, 300.0, 0.0], ids=["lambda-1", "lambda-5", "lambda-0"])

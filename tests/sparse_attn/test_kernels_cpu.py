@@ -644,6 +644,39 @@ def test_an_isa_pinned_that_this_cpu_lacks_is_refused_with_the_ones_it_has(monke
         envs.reset_for_tests()
 
 
+@pytest.mark.parametrize("build", PAIR_BUILDS)
+@pytest.mark.parametrize("d", [64, 256, 48, 40], ids=["d64", "d256", "d48", "d40"])
+def test_bf16_prefill_on_pairs_says_where_the_library_multiplies_pairs(monkeypatch, build, d):
+    """``cpu_impl.bf16_prefill_on_pairs`` (what the plugin's dense_steps reads) against what the library does: a bf16
+    prefill differs from the fp32-product ``avx512`` build's exactly where the answer is True."""
+    pairs, avx512 = _pair_and_avx512_libs(build)
+    batch = make_batch([80], [80], 4, 1, d, 16, dtype=torch.bfloat16, seed=5)
+    outs = []
+    for lib in (pairs, avx512):
+        monkeypatch.setitem(cpu_impl._state, "lib", lib)
+        outs.append(_run(batch, d ** -0.5))
+    monkeypatch.setitem(cpu_impl._state, "status", dataclasses.replace(cpu_impl.status(), target=build))
+    assert cpu_impl.bf16_prefill_on_pairs(d) == (not torch.equal(*outs))
+
+
+def test_bf16_prefill_on_pairs_is_false_where_no_pair_build_serves(monkeypatch):
+    st = cpu_impl.status()
+    for target in ("avx512", "avx2", "generic"):
+        monkeypatch.setitem(cpu_impl._state, "status", dataclasses.replace(st, target=target))
+        assert not cpu_impl.bf16_prefill_on_pairs(64)
+    monkeypatch.setitem(cpu_impl._state, "status", dataclasses.replace(st, target="avx512bf16"))
+    assert cpu_impl.bf16_prefill_on_pairs(64)
+    monkeypatch.setenv("SPARSE_ATTN_CPU_KERNEL", "torch")
+    envs.reset_for_tests()
+    try:
+        assert not cpu_impl.bf16_prefill_on_pairs(64)
+    finally:
+        monkeypatch.delenv("SPARSE_ATTN_CPU_KERNEL")
+        envs.reset_for_tests()
+    monkeypatch.setitem(cpu_impl._state, "status", cpu_impl.Status(False, reason="no compiler"))
+    assert not cpu_impl.bf16_prefill_on_pairs(64)
+
+
 # --------------------------------------------------------------------------- build, cache, choice rule
 
 @pytest.fixture

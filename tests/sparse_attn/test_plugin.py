@@ -356,3 +356,39 @@ def test_summary_says_which_cpu_kernel_serves(monkeypatch, tmp_path):
     assert kernel is None  # no weights on the CPU: no CPU kernel to name
     kernel = plugin.install(model, None, POLICY)["cpu_kernel"]
     assert kernel.startswith("torch (compiled kernel unavailable: ") and "/nowhere/c++" in kernel
+
+
+
+
+@pytest.mark.parametrize("setting,pairs,dtype,kv_dtype,expected", [
+    ("auto", True, torch.bfloat16, "auto", ("own", "auto: bf16 pair products on CPU")),
+    ("auto", True, torch.bfloat16, "fp8", ("native", "auto")),
+    ("auto", False, torch.bfloat16, "auto", ("native", "auto")),
+    ("auto", True, torch.float32, "auto", ("native", "auto")),
+    ("native", True, torch.bfloat16, "auto", ("native", "SPARSE_ATTN_DENSE_STEPS=native")),
+    ("own", False, torch.float32, "auto", ("own", "SPARSE_ATTN_DENSE_STEPS=own")),
+], ids=["auto-bf16-pairs", "auto-fp8-cache", "auto-bf16-no-pairs", "auto-fp32", "pinned-native", "pinned-own"])
+def test_steps_that_cannot_skip_run_where_dense_is_fastest(monkeypatch, setting, pairs, dtype, kv_dtype, expected):
+    """plugin.dense_steps joins the model's device and dtype, the layer's cache dtype and the kernel's pair products
+    (cpu_impl.bf16_prefill_on_pairs, tested against the library in test_kernels_cpu) into each layer's policy, and the
+    summary says which and why."""
+    from sparse_attn.kernels import cpu_impl
+
+    heads_seen = []
+    monkeypatch.setattr(cpu_impl, "bf16_prefill_on_pairs", lambda head_size: heads_seen.append(head_size) or pairs)
+    monkeypatch.setenv("SPARSE_ATTN_DENSE_STEPS", setting)
+    compat.reset_for_tests()
+    model = Model([Impl(kv_cache_dtype=kv_dtype), Impl(kv_cache_dtype=kv_dtype)])
+    model.weight = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+    summary = plugin.install(model, None, POLICY)
+    where, why = expected
+    assert summary["dense_steps"] == {f"{where} ({why})": 2}
+    assert [p.dense_native for p in _policies(model)] == [where == "native"] * 2
+    assert set(heads_seen) <= {32}
+
+
+def test_a_bad_dense_steps_value_fails_with_the_choices(monkeypatch):
+    monkeypatch.setenv("SPARSE_ATTN_DENSE_STEPS", "fast")
+    compat.reset_for_tests()
+    with pytest.raises(ValueError, match="auto, native, own"):
+        plugin.install(Model([Impl()]), None, POLICY)
