@@ -139,7 +139,7 @@ PAIR_HEAD_MULTIPLE = 32
 def bf16_prefill_on_pairs(head_size: int) -> bool:
     """Whether a bf16 prefill of ``head_size`` runs on this process's compiled kernel with bf16 pair products
     (the ``avx512bf16`` / ``amx`` builds, :data:`PAIR_HEAD_MULTIPLE`), i.e. where its dense prefill is measured
-    1.8-2.1x vLLM's CPU kernel on the same pages (benchmarks/RESULTS-kernels.md); ``False`` where the torch kernel
+    1.8-2.1x vLLM's CPU kernel on the same pages (docs/kernels.md); ``False`` where the torch kernel
     serves or the build widens bf16 to fp32 (then within a few per cent of vLLM's, either side)."""
     if cpu_kernel() != "compiled":
         return False
