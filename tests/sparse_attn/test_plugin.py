@@ -358,8 +358,6 @@ def test_summary_says_which_cpu_kernel_serves(monkeypatch, tmp_path):
     assert kernel.startswith("torch (compiled kernel unavailable: ") and "/nowhere/c++" in kernel
 
 
-
-
 @pytest.mark.parametrize("setting,pairs,dtype,kv_dtype,expected", [
     ("auto", True, torch.bfloat16, "auto", ("own", "auto: bf16 pair products on CPU")),
     ("auto", True, torch.bfloat16, "fp8", ("native", "auto")),
